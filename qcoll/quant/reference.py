@@ -1,0 +1,115 @@
+"""Torch reference implementation of the wire format, vectorized, for any device.
+
+Everything works on *rows*: a 2-D input ``[rows, n]`` becomes ``rows`` packed
+buffers of identical size, each quantized on its own (its own padding, element
+indices restarting at ``offset``). A plain tensor is one row; qgZ's destination
+slices are many.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import format as fmt
+from .bitpack import pack_codes, unpack_codes
+from .rng import uniform
+
+
+def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """fp32 ``[rows, n]`` -> zero-padded ``[rows, num_blocks, block_size]``."""
+    rows, n = x.shape
+    nb = fmt.num_blocks(n, block_size)
+    pad = nb * block_size - n
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(rows, nb, block_size)
+
+
+def quantize_rows(
+    x: torch.Tensor,
+    bits: int,
+    block_size: int,
+    stochastic: bool = False,
+    seed: int = 0,
+    offset: int = 0,
+) -> torch.Tensor:
+    """Quantize and pack each row of ``x`` ``[rows, n]``; returns uint8 ``[rows, packed_nbytes(n)]``.
+
+    ``offset`` is the element index of column 0 for the stochastic-rounding hash.
+    """
+    rows, n = x.shape
+    xb = _blocks(x.to(torch.float32), block_size)
+    absmax = xb.abs().amax(dim=-1) if n else xb.new_zeros(rows, 0)
+    finite = torch.isfinite(absmax)
+    qm = torch.full_like(absmax, fmt.qmax(bits))
+    scale = absmax / qm
+    inv = torch.where(absmax == 0, torch.zeros_like(absmax), qm / absmax)
+    t = xb * inv.unsqueeze(-1)
+    tiny = torch.isinf(inv) & finite
+    if bool(tiny.any()):
+        t = torch.where(tiny.unsqueeze(-1), torch.nan_to_num(xb / scale.unsqueeze(-1), nan=0.0), t)
+    if stochastic:
+        u = uniform(seed, offset, xb.shape[1] * block_size, x.device).reshape(1, -1, block_size)
+        t = torch.floor(t + u)
+    else:
+        t = torch.round(t)
+    q = t.clamp_(-fmt.qmax(bits), fmt.qmax(bits))
+    q = torch.where(finite.unsqueeze(-1), q, torch.zeros_like(q)).to(torch.int8)
+    scale_bits = torch.where(
+        finite, scale.view(torch.int32), torch.full_like(scale, 0, dtype=torch.int32) + fmt.NAN_SCALE_BITS
+    )
+    codes = pack_codes(q.reshape(rows, -1), bits)
+    return torch.cat((codes, scale_bits.view(torch.uint8).reshape(rows, -1)), dim=1)
+
+
+def split_rows(buf: torch.Tensor, n: int, bits: int, block_size: int):
+    """Views of the codes ``[rows, codes_nbytes]`` and fp32 scales ``[rows, num_blocks]``."""
+    cb = fmt.codes_nbytes(n, bits, block_size)
+    codes = buf[..., :cb]
+    scales = buf[..., cb:].contiguous().view(torch.float32)
+    return codes, scales
+
+
+def dequantize_rows_fp32(buf: torch.Tensor, n: int, bits: int, block_size: int) -> torch.Tensor:
+    """uint8 ``[..., packed_nbytes(n)]`` -> saturated fp32 values ``[..., n]``."""
+    lead = buf.shape[:-1]
+    codes, scales = split_rows(buf, n, bits, block_size)
+    q = unpack_codes(codes, bits).reshape(*lead, -1, block_size)
+    v = q.to(torch.float32) * scales.unsqueeze(-1)
+    v = v.clamp_(-fmt.FLT_MAX, fmt.FLT_MAX)
+    return v.reshape(*lead, -1)[..., :n]
+
+
+def dequantize_rows(buf: torch.Tensor, n: int, bits: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 ``[rows, packed_nbytes(n)]`` -> ``[rows, n]`` in ``dtype``."""
+    return dequantize_rows_fp32(buf, n, bits, block_size).to(dtype)
+
+
+def swizzle_quantize(
+    x: torch.Tensor, nodes: int, local: int, bits: int, block_size: int,
+    stochastic: bool = False, seed: int = 0, offset: int = 0,
+) -> torch.Tensor:
+    """qgZ step 1: view flat ``x`` as ``[N, L, S]``, reorder to ``[L, N, S]`` and quantize each slice.
+
+    Returns uint8 ``[L * N, packed_nbytes(S)]``: row ``l * N + n`` holds slice ``(n, l)``.
+    """
+    s = x.numel() // (nodes * local)
+    rows = x.reshape(nodes, local, s).transpose(0, 1).reshape(local * nodes, s)
+    return quantize_rows(rows, bits, block_size, stochastic, seed, offset)
+
+
+def dequantize_reduce(bufs: torch.Tensor, n: int, bits: int, block_size: int) -> torch.Tensor:
+    """uint8 ``[k, rows, nbytes]`` -> fp32 ``[rows, n]``: the sum over k, accumulated in order."""
+    vals = dequantize_rows_fp32(bufs, n, bits, block_size)
+    acc = vals[0].clone()
+    for j in range(1, vals.shape[0]):
+        acc += vals[j]
+    return acc
+
+
+def reduce_requantize(
+    bufs: torch.Tensor, n: int, bits_in: int, block_in: int, bits_out: int, block_out: int,
+    stochastic: bool = False, seed: int = 0, offset: int = 0,
+) -> torch.Tensor:
+    """qgZ between hops: dequantize k packed row sets, sum in fp32, quantize the sum."""
+    total = dequantize_reduce(bufs, n, bits_in, block_in)
+    return quantize_rows(total, bits_out, block_out, stochastic, seed, offset)
