@@ -1,0 +1,12 @@
+"""qcoll: quantized collectives for sharded data-parallel training (ZeRO++).
+
+qwZ :func:`all_gather_int8` / :func:`all_gather_quantized`, hpZ :func:`replica_gather`,
+qgZ :func:`reduce_scatter_quantized`, the codec :func:`quantize` / :func:`dequantize`.
+"""
+from .comm import (SecondaryShard, Topology, all_gather_int8, all_gather_quantized, reduce_scatter_quantized,
+                   replica_gather, stats)
+from .quant import Packed, dequantize, quantize
+
+__version__ = "0.1.0"
+__all__ = ["all_gather_int8", "all_gather_quantized", "replica_gather", "SecondaryShard",
+           "reduce_scatter_quantized", "Topology", "quantize", "dequantize", "Packed", "stats"]

@@ -1,0 +1,61 @@
+"""Byte accounting: what this rank hands to intra-node and inter-node groups.
+
+Counts what a bandwidth-optimal algorithm sends from this rank to others
+(DESIGN.md): all-gather ``(g-1) x`` own buffer, all-to-all the buffers for the
+other ``g-1`` peers, reduce-scatter ``(g-1)/g x`` input bytes. A group that spans
+nodes counts as inter-node.
+"""
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from .topology import current_topology
+
+
+@dataclass
+class CommStats:
+    intra_bytes: int = 0
+    inter_bytes: int = 0
+    calls: dict = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, op: str, group, nbytes: int) -> None:
+        self.calls[op] += 1
+        if nbytes <= 0:
+            return
+        if group_spans_nodes(group):
+            self.inter_bytes += nbytes
+        else:
+            self.intra_bytes += nbytes
+
+    def reset(self) -> None:
+        self.intra_bytes = 0
+        self.inter_bytes = 0
+        self.calls.clear()
+
+    def snapshot(self) -> dict:
+        return {"intra_bytes": self.intra_bytes, "inter_bytes": self.inter_bytes, "calls": dict(self.calls)}
+
+
+stats = CommStats()
+
+
+def group_spans_nodes(group) -> bool:
+    topo = current_topology()
+    if topo is not None:
+        per_node = topo.ranks_per_node
+    else:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return len({r // per_node for r in ranks}) > 1
+
+
+def reset() -> None:
+    stats.reset()
+
+
+def snapshot() -> dict:
+    return stats.snapshot()

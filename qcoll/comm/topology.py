@@ -1,0 +1,76 @@
+"""Topology: world, node and local rank, with intra-node and inter-node process groups."""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+_current: "Topology | None" = None
+
+
+def _default_timeout() -> datetime.timedelta:
+    """The default group's timeout, so sub-groups fail as fast as the world does."""
+    pg = dist.distributed_c10d._get_default_group()
+    try:
+        return pg._get_backend(torch.device("cpu")).options._timeout
+    except Exception:
+        return dist.distributed_c10d._get_default_timeout(dist.get_backend())
+
+
+class Topology:
+    """How the ranks of the default group are split into nodes.
+
+    ``ranks_per_node=L`` emulates ``world // L`` nodes on one host; the default
+    comes from ``LOCAL_WORLD_SIZE`` (torchrun) and otherwise treats the world as
+    one node. Global rank ``r`` is local rank ``r % L`` of node ``r // L``.
+    ``torch.distributed`` must be initialized; every rank must construct the
+    topology (it creates process groups collectively).
+    """
+
+    def __init__(self, ranks_per_node: int | None = None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("qcoll.Topology needs torch.distributed to be initialized first")
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        if ranks_per_node is None:
+            ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
+        if self.world_size % ranks_per_node:
+            raise ValueError(
+                f"world size {self.world_size} is not divisible by ranks_per_node={ranks_per_node}"
+            )
+        self.ranks_per_node = ranks_per_node
+        self.num_nodes = self.world_size // ranks_per_node
+        self.node = self.rank // ranks_per_node
+        self.local_rank = self.rank % ranks_per_node
+        timeout = _default_timeout()
+        L, N = self.ranks_per_node, self.num_nodes
+        intra = [list(range(n * L, (n + 1) * L)) for n in range(N)]
+        inter = [list(range(l, self.world_size, L)) for l in range(L)]
+        self.intra_group, _ = dist.new_subgroups_by_enumeration(intra, timeout=timeout)
+        self.inter_group, _ = dist.new_subgroups_by_enumeration(inter, timeout=timeout)
+        self.world_group = dist.group.WORLD
+        global _current
+        _current = self
+
+    @classmethod
+    def from_env(cls) -> "Topology":
+        """Nodes of ``LOCAL_WORLD_SIZE`` ranks, as torchrun sets it."""
+        if "LOCAL_WORLD_SIZE" not in os.environ:
+            raise RuntimeError("LOCAL_WORLD_SIZE is not set (it is set by torchrun)")
+        return cls(int(os.environ["LOCAL_WORLD_SIZE"]))
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def __repr__(self) -> str:
+        return (f"Topology(world={self.world_size}, nodes={self.num_nodes}, ranks_per_node={self.ranks_per_node}, "
+                f"rank={self.rank}, node={self.node}, local_rank={self.local_rank})")
+
+
+def current_topology() -> "Topology | None":
+    """The most recently constructed topology (used to classify a group's bytes)."""
+    return _current

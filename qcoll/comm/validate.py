@@ -1,0 +1,64 @@
+"""Argument checks shared by the collectives, done before any communication.
+
+With ``QCOLL_DEBUG=1`` the collectives also all-gather a small metadata record
+over the group and raise the same clear error on every rank when ranks disagree,
+instead of hanging or reading garbage.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..quant import format as fmt
+
+_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_OPS = {"all_gather": 1, "replica_gather": 2, "reduce_scatter": 3}
+
+
+def check_tensor(t, name: str, contiguous: bool = True) -> torch.Tensor:
+    fmt.check_float_tensor(t, name)
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (got strides {t.stride()} for shape {tuple(t.shape)})")
+    return t
+
+
+def check_same(a: torch.Tensor, b: torch.Tensor, names: str) -> None:
+    if a.dtype != b.dtype:
+        raise TypeError(f"{names} must have the same dtype, got {a.dtype} and {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"{names} must be on the same device, got {a.device} and {b.device}")
+
+
+def check_quant_args(bits, block_size) -> None:
+    if bits is not None:
+        fmt.check_bits(bits)
+    fmt.check_block_size(block_size)
+
+
+def check_async(async_op) -> None:
+    if not isinstance(async_op, bool):
+        raise TypeError(f"async_op must be a bool, got {async_op!r}")
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("QCOLL_DEBUG", "0") not in ("", "0", "false", "False")
+
+
+def debug_check(op: str, group, numel: int, bits, block_size: int, dtype: torch.dtype, device=None) -> None:
+    """All ranks of ``group`` agree on the collective's metadata, or all raise."""
+    if not debug_enabled():
+        return
+    mine = torch.tensor([_OPS[op], numel, bits or 0, block_size, _DTYPE_CODES[dtype]], dtype=torch.int64, device=device)
+    size = dist.get_world_size(group)
+    every = torch.empty(size, mine.numel(), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every.view(-1), mine, group=group)
+    if bool((every == every[0]).all()):
+        return
+    fields = ("op", "numel", "bits", "block_size", "dtype")
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    rows = ", ".join(
+        f"rank {r}: " + " ".join(f"{f}={int(v)}" for f, v in zip(fields, row)) for r, row in zip(ranks, every.tolist())
+    )
+    raise ValueError(f"qcoll {op}: ranks passed different metadata (QCOLL_DEBUG check): {rows}")

@@ -1,0 +1,16 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from distributed import RankPool  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ranks4():
+    """Four gloo ranks kept alive for the whole session (2 nodes x 2 by default in tests)."""
+    pool = RankPool(4)
+    yield pool
+    pool.close()

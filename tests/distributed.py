@@ -1,0 +1,107 @@
+"""Run a function on several gloo ranks (local processes) from a test.
+
+:class:`RankPool` keeps ``world`` worker processes with an initialized default
+group alive across tests (starting torch in a process costs seconds), runs
+picklable module-level functions ``fn(rank, world, *args)`` on all of them, and
+returns the per-rank results. A rank's exception is re-raised in the test with
+its traceback; a run that exceeds its timeout kills the pool (a fresh one starts
+on the next run), so nothing ever hangs.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+GROUP_TIMEOUT_S = float(os.environ.get("QCOLL_TEST_GROUP_TIMEOUT", "30"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, env, tasks, results):
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=float(env.get("QCOLL_TEST_GROUP_TIMEOUT", GROUP_TIMEOUT_S))))
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        fn, args = item
+        try:
+            results.put((rank, "ok", fn(rank, world, *args)))
+        except BaseException:
+            results.put((rank, "err", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankFailure(AssertionError):
+    """A run in which some rank raised or did not finish; ``results``/``errors`` by rank."""
+
+    def __init__(self, message, results=None, errors=None, finished=True):
+        super().__init__(message)
+        self.results = results or {}
+        self.errors = errors or {}
+        self.finished = finished
+
+
+class RankPool:
+    def __init__(self, world: int, env: dict | None = None):
+        self.world = world
+        self.env = dict(env or {})
+        self._procs = []
+
+    def _start(self):
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world)]
+        port = free_port()
+        self._procs = [ctx.Process(target=_worker, args=(r, self.world, port, self.env, self._tasks[r], self._results),
+                                   daemon=True) for r in range(self.world)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn, *args, timeout: float = 90.0):
+        """Run ``fn(rank, world, *args)`` on every rank; returns the results by rank."""
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+        for q in self._tasks:
+            q.put((fn, args))
+        got, errors = {}, {}
+        try:
+            for _ in range(self.world):
+                rank, status, value = self._results.get(timeout=timeout)
+                (got if status == "ok" else errors)[rank] = value
+        except queue.Empty:
+            self.close()
+            raise RankFailure(f"ranks {sorted(set(range(self.world)) - set(got) - set(errors))} did not finish "
+                              f"{fn.__name__} within {timeout}s; errors so far: {errors}", got, errors, False) from None
+        if errors:
+            first = min(errors)
+            raise RankFailure(f"{fn.__name__} failed on ranks {sorted(errors)}; rank {first}:\n{errors[first]}",
+                              got, errors)
+        return [got[r] for r in range(self.world)]
+
+    def close(self):
+        for q in getattr(self, "_tasks", []):
+            try:
+                q.put(None)
+            except Exception:
+                pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        self._procs = []
