@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from . import compiled
 from . import format as fmt
 from .bitpack import pack_codes, unpack_codes
 from .rng import uniform
@@ -38,6 +39,10 @@ def quantize_rows(
     """
     rows, n = x.shape
     xb = _blocks(x.to(torch.float32), block_size)
+    if not stochastic and compiled.enabled(x.device, x.numel()):
+        fast = compiled.quantize_blocks(xb, bits)
+        if fast is not None and not bool(fast[2]):  # blocks in the subnormal range take the eager path
+            return torch.cat(fast[:2], dim=1)
     absmax = xb.abs().amax(dim=-1) if n else xb.new_zeros(rows, 0)
     finite = torch.isfinite(absmax)
     qm = torch.full_like(absmax, fmt.qmax(bits))
@@ -73,6 +78,10 @@ def dequantize_rows_fp32(buf: torch.Tensor, n: int, bits: int, block_size: int) 
     """uint8 ``[..., packed_nbytes(n)]`` -> saturated fp32 values ``[..., n]``."""
     lead = buf.shape[:-1]
     codes, scales = split_rows(buf, n, bits, block_size)
+    if compiled.enabled(buf.device, n * buf[..., :1].numel()):
+        fast = compiled.dequantize(codes, scales, bits, block_size)
+        if fast is not None:
+            return fast[..., :n]
     q = unpack_codes(codes, bits).reshape(*lead, -1, block_size)
     v = q.to(torch.float32) * scales.unsqueeze(-1)
     v = v.clamp_(-fmt.FLT_MAX, fmt.FLT_MAX)

@@ -1,0 +1,72 @@
+"""torch.compile'd CPU fast path for large round-to-nearest quantize and for dequantize.
+
+The fused loops run the same fp32 operations as :mod:`qcoll.quant.reference`
+(no additions are involved in round-to-nearest, so no multiply-add contraction can
+change a bit) and are checked against it in tests. Used for CPU tensors of at
+least ``MIN_NUMEL`` elements; ``QCOLL_COMPILE=0`` turns it off, and any compile
+failure falls back to the eager reference for the rest of the process.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+
+from . import format as fmt
+from .bitpack import pack_codes, unpack_codes
+
+MIN_NUMEL = 1 << 20
+_broken = False
+
+
+def enabled(device: torch.device, numel: int) -> bool:
+    """Whether an operation on ``numel`` elements on ``device`` takes the compiled path."""
+    if _broken or device.type != "cpu" or numel < MIN_NUMEL:
+        return False
+    return os.environ.get("QCOLL_COMPILE", "1") not in ("0", "false", "False")
+
+
+def _quantize_blocks(xb: torch.Tensor, qmaxv: float, bits: int):
+    absmax = xb.abs().amax(dim=-1, keepdim=True)
+    qm = torch.full_like(absmax, qmaxv)
+    scale = absmax / qm
+    inv = torch.where(absmax == 0, torch.zeros_like(absmax), qm / absmax)
+    t = torch.round(xb * inv).clamp(-qmaxv, qmaxv)
+    finite = torch.isfinite(absmax)
+    q = torch.where(finite, t, torch.zeros_like(t)).to(torch.int8)
+    bits_ = torch.where(finite, scale.view(torch.int32), torch.full_like(scale.view(torch.int32), fmt.NAN_SCALE_BITS))
+    tiny = (torch.isinf(inv) & finite).any()
+    return pack_codes(q.reshape(xb.shape[0], -1), bits), bits_.view(torch.uint8).reshape(xb.shape[0], -1), tiny
+
+
+def _dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int):
+    q = unpack_codes(codes, bits).reshape(*codes.shape[:-1], -1, block_size)
+    v = q.to(torch.float32) * scales.unsqueeze(-1)
+    return v.clamp(-fmt.FLT_MAX, fmt.FLT_MAX).reshape(*codes.shape[:-1], -1)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(name: str):
+    fn = {"quantize": _quantize_blocks, "dequantize": _dequantize}[name]
+    return torch.compile(fn, dynamic=True)
+
+
+def _call(name, *args):
+    global _broken
+    try:
+        return _compiled(name)(*args)
+    except Exception as e:  # a compiler problem must never break the codec
+        _broken = True
+        warnings.warn(f"qcoll: torch.compile fast path disabled ({type(e).__name__}: {e}); using eager reference")
+        return None
+
+
+def quantize_blocks(xb: torch.Tensor, bits: int):
+    """Padded fp32 ``[rows, nb, block]`` -> (codes, scale bytes, any_tiny) or None on failure."""
+    return _call("quantize", xb, float(fmt.qmax(bits)), bits)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int):
+    return _call("dequantize", codes, scales, bits, block_size)
