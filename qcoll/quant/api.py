@@ -37,6 +37,8 @@ class Packed:
     def scales(self) -> torch.Tensor:
         """The fp32 per-block scales (a copy)."""
         cb = fmt.codes_nbytes(self.numel, self.bits, self.block_size)
+        if self.num_blocks == 0:
+            return torch.empty(0, dtype=torch.float32, device=self.data.device)
         return self.data[cb:].clone().view(torch.float32)
 
 

@@ -70,6 +70,8 @@ def split_rows(buf: torch.Tensor, n: int, bits: int, block_size: int):
     """Views of the codes ``[rows, codes_nbytes]`` and fp32 scales ``[rows, num_blocks]``."""
     cb = fmt.codes_nbytes(n, bits, block_size)
     codes = buf[..., :cb]
+    if cb == buf.shape[-1]:  # no blocks at all (n == 0)
+        return codes, buf.new_empty(*buf.shape[:-1], 0, dtype=torch.float32)
     scales = buf[..., cb:].contiguous().view(torch.float32)
     return codes, scales
 
