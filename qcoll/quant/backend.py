@@ -25,6 +25,8 @@ def backend_setting() -> str:
 def _kernels_importable() -> bool:
     try:
         import cupy  # noqa: F401
+
+        import qcoll.bindings.ops  # noqa: F401  (the launchers, not only CuPy)
     except Exception:
         return False
     return True
