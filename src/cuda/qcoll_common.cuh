@@ -14,9 +14,11 @@
 #define QC_HD __host__ __device__ __forceinline__
 #define QC_D __device__ __forceinline__
 #define QC_IS_CUDA 1
+#define QC_UNROLL _Pragma("unroll")
 #else
 #define QC_HD inline
 #define QC_IS_CUDA 0
+#define QC_UNROLL
 #endif
 
 typedef unsigned char qc_u8;
@@ -253,13 +255,13 @@ QC_HD int qc_quantize_value(float x, const QcBlockParams& p, int bits, int stoch
 // Pack 8 codes: value = OR_i (c_i & mask) << (bits * i), little-endian, `bits` bytes.
 QC_HD qc_u64 qc_pack8(const int q[QC_GROUP], int bits) {
   qc_u64 w = 0, mask = (1ull << bits) - 1ull;
-#pragma unroll
+QC_UNROLL
   for (int i = 0; i < QC_GROUP; ++i) w |= ((qc_u64)(qc_u32)q[i] & mask) << (bits * i);
   return w;
 }
 QC_HD void qc_unpack8(qc_u64 w, int bits, int q[QC_GROUP]) {
   int mask = (1 << bits) - 1, half = 1 << (bits - 1);
-#pragma unroll
+QC_UNROLL
   for (int i = 0; i < QC_GROUP; ++i) {
     int c = (int)(w >> (bits * i)) & mask;
     q[i] = (c ^ half) - half;  // sign extend
@@ -270,7 +272,7 @@ QC_HD qc_u64 qc_quantize8(const float v[QC_GROUP], const QcBlockParams& p, int b
                           int stochastic, qc_u32 seed, qc_u64 idx0) {
   if (p.nonfinite) return 0;
   int q[QC_GROUP];
-#pragma unroll
+QC_UNROLL
   for (int i = 0; i < QC_GROUP; ++i) {
     float u = stochastic ? qc_uniform(seed, idx0 + (qc_u64)i) : 0.0f;
     q[i] = qc_quantize_value(v[i], p, bits, stochastic, u);
@@ -282,12 +284,12 @@ QC_HD float qc_dequant_value(int q, float scale) { return qc_saturate(qc_mul((fl
 QC_HD void qc_dequant8(qc_u64 w, float scale, int bits, float out[QC_GROUP]) {
   int q[QC_GROUP];
   qc_unpack8(w, bits, q);
-#pragma unroll
+QC_UNROLL
   for (int i = 0; i < QC_GROUP; ++i) out[i] = qc_dequant_value(q[i], scale);
 }
 // absmax / non-finite accumulation over a group (absmax only meaningful when finite).
 QC_HD void qc_absmax8(const float v[QC_GROUP], float& absmax, int& nonfinite) {
-#pragma unroll
+QC_UNROLL
   for (int i = 0; i < QC_GROUP; ++i) {
     float a = qc_abs(v[i]);
     if (qc_nonfinite(a)) nonfinite = 1;
@@ -366,7 +368,7 @@ QC_HD void qc_load8(const typename T::storage* row, qc_u64 e0, qc_u64 n, int vec
     } else {
       uint4 a = *(const uint4*)(row + e0);
       qc_u32 w[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
+QC_UNROLL
       for (int i = 0; i < 4; ++i) {
         v[2 * i] = T::to_f32((typename T::storage)(w[i] & 0xFFFFu));
         v[2 * i + 1] = T::to_f32((typename T::storage)(w[i] >> 16));
@@ -376,7 +378,7 @@ QC_HD void qc_load8(const typename T::storage* row, qc_u64 e0, qc_u64 n, int vec
   }
 #endif
   (void)vec;
-#pragma unroll
+QC_UNROLL
   for (int i = 0; i < QC_GROUP; ++i) {
     qc_u64 e = e0 + (qc_u64)i;
     v[i] = e < n ? T::to_f32(row[e]) : 0.0f;
@@ -393,7 +395,7 @@ QC_HD void qc_store8(typename T::storage* row, qc_u64 e0, qc_u64 n, int vec, con
       p[1] = make_float4(v[4], v[5], v[6], v[7]);
     } else {
       qc_u32 w[4];
-#pragma unroll
+QC_UNROLL
       for (int i = 0; i < 4; ++i)
         w[i] = (qc_u32)T::from_f32(v[2 * i]) | ((qc_u32)T::from_f32(v[2 * i + 1]) << 16);
       *(uint4*)(row + e0) = make_uint4(w[0], w[1], w[2], w[3]);
@@ -402,7 +404,7 @@ QC_HD void qc_store8(typename T::storage* row, qc_u64 e0, qc_u64 n, int vec, con
   }
 #endif
   (void)vec;
-#pragma unroll
+QC_UNROLL
   for (int i = 0; i < QC_GROUP; ++i) {
     qc_u64 e = e0 + (qc_u64)i;
     if (e < n) row[e] = T::from_f32(v[i]);
@@ -425,7 +427,7 @@ QC_HD void qc_reduce_load8(const qc_u8* bufs, qc_u64 k, qc_u64 set_bytes, qc_u64
                            qc_u64 codes_nbytes, qc_u64 row, qc_u64 e0, qc_u64 n, int bits, int block,
                            float v[QC_GROUP]) {
   if (e0 >= n) {
-#pragma unroll
+QC_UNROLL
     for (int i = 0; i < QC_GROUP; ++i) v[i] = 0.0f;
     return;
   }
@@ -434,10 +436,10 @@ QC_HD void qc_reduce_load8(const qc_u8* bufs, qc_u64 k, qc_u64 set_bytes, qc_u64
   for (qc_u64 j = 1; j < k; ++j) {
     float w[QC_GROUP];
     qc_dequant_group(p + j * set_bytes, e0, codes_nbytes, bits, block, w);
-#pragma unroll
+QC_UNROLL
     for (int i = 0; i < QC_GROUP; ++i) v[i] = qc_add(v[i], w[i]);
   }
-#pragma unroll
+QC_UNROLL
   for (int i = 0; i < QC_GROUP; ++i)
     if (e0 + (qc_u64)i >= n) v[i] = 0.0f;
 }
@@ -471,7 +473,7 @@ __device__ __forceinline__ void qc_quantize_block(const Src& src, qc_u64 row, qc
     src.load8(row, e0, v);
     qc_absmax8(v, absmax, nonfinite);
     if (i == 0) {
-#pragma unroll
+QC_UNROLL
       for (int k = 0; k < QC_GROUP; ++k) first[k] = v[k];
     }
   }
@@ -485,7 +487,7 @@ __device__ __forceinline__ void qc_quantize_block(const Src& src, qc_u64 row, qc
     qc_u64 e0 = base + (qc_u64)(i * T + lane) * QC_GROUP;
     float v[QC_GROUP];
     if (i == 0) {
-#pragma unroll
+QC_UNROLL
       for (int k = 0; k < QC_GROUP; ++k) v[k] = first[k];
     } else {
       src.load8(row, e0, v);

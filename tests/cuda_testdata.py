@@ -1,0 +1,40 @@
+"""Shared inputs for the CUDA kernel / host helper tests: random rows with the awkward blocks."""
+from __future__ import annotations
+
+import torch
+
+BITS = (8, 6, 4, 2)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def awkward_rows(rows: int, n: int, block: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random ``[rows, n]`` with a zero block, NaN / +Inf / -Inf blocks, a subnormal block,
+    a huge block (fp32) and a -0.0 element, wherever the shape has room for them."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g) * torch.exp(torch.randn(rows, 1, generator=g) * 2)
+    nb = -(-n // block)
+    specials = []
+    for r in range(rows):
+        for b in range(nb):
+            specials.append((r, b))
+    kinds = ["zero", "nan", "inf", "ninf", "tiny", "huge", "negzero"]
+    for (r, b), kind in zip(specials[1::2], kinds):
+        sl = slice(b * block, min(n, (b + 1) * block))
+        if kind == "zero":
+            x[r, sl] = 0
+        elif kind == "nan":
+            x[r, sl.start] = float("nan")
+        elif kind == "inf":
+            x[r, sl.stop - 1] = float("inf")
+        elif kind == "ninf":
+            x[r, sl.start] = float("-inf")
+        elif kind == "tiny":
+            if dtype == torch.float32:  # deep subnormal: inv overflows, scale may underflow
+                x[r, sl] = torch.randint(-3, 4, (sl.stop - sl.start,), generator=g).float() * 1.401298464324817e-45
+            else:
+                x[r, sl] = x[r, sl] * 1e-6
+        elif kind == "huge" and dtype == torch.float32:
+            x[r, sl] = x[r, sl].sign() * 3.4028234663852886e38
+        elif kind == "negzero":
+            x[r, sl.start] = -0.0
+    return x.to(dtype)
