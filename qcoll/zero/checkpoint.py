@@ -1,0 +1,149 @@
+"""Sharded checkpoints of a ZeRO++ model and optimizer through ``torch.distributed.checkpoint``.
+
+Each flat group's master shard (and every optimizer state tensor of the same
+shape) is saved as a 1-D ``DTensor`` sharded ``Shard(0)`` over the world, of
+global length ``total``: DCP records global offsets, so a checkpoint written by 4
+ranks loads into 2 (or any other world size). Scalars (Adam's ``step``), buffers,
+the engine's micro-step counter (stochastic-rounding seeds) and the loss scaler
+are saved as replicated values, so a resume in the same world size continues
+bit-identically.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from .model import ShardedModel
+from .optimizer import Optimizer
+
+_meshes = {}
+
+
+def _mesh(device: torch.device):
+    key = (device.type, dist.get_world_size())
+    if key not in _meshes:
+        _meshes[key] = init_device_mesh(device.type, (dist.get_world_size(),))
+    return _meshes[key]
+
+
+def _dtensor(group, local: torch.Tensor) -> DTensor:
+    return DTensor.from_local(local[: group.local_numel], _mesh(local.device), [Shard(0)], run_check=False,
+                              shape=torch.Size([group.total]), stride=(1,))
+
+
+def _model_state(model: ShardedModel) -> dict:
+    state = {f"flat.{g.name}": _dtensor(g, g.master.detach()) for g in model.groups}
+    managed = {id(p) for g in model.groups for p in g.params}
+    for key, value in model.module.state_dict(keep_vars=True).items():
+        if id(value) not in managed:
+            state[f"buffer.{key}"] = value.detach()
+    return state
+
+
+def _ensure_optimizer_state(opt: Optimizer) -> None:
+    """Create the inner optimizer's lazily made state with a zero-lr step on zero gradients."""
+    inner = opt.optimizer
+    if inner.state:
+        return
+    saved_lr = []
+    for pg in inner.param_groups:
+        saved_lr.append(pg.get("lr"))
+        if "lr" in pg:
+            pg["lr"] = torch.tensor(0.0) if isinstance(pg["lr"], torch.Tensor) else 0.0
+    grads = [m.grad for m in opt.masters]
+    for m in opt.masters:
+        m.grad = torch.zeros_like(m)
+    inner.step()
+    for m, g in zip(opt.masters, grads):
+        m.grad = g
+    for pg, lr in zip(inner.param_groups, saved_lr):
+        if lr is not None:
+            pg["lr"] = lr
+
+
+def _optimizer_state(opt: Optimizer) -> dict:
+    groups = {id(g.master): g for g in opt.model.groups}
+    state = {}
+    for m in opt.masters:
+        g = groups[id(m)]
+        for k, v in opt.optimizer.state.get(m, {}).items():
+            if isinstance(v, torch.Tensor) and v.shape == m.shape:
+                state[f"{g.name}.{k}"] = _dtensor(g, v)
+            elif isinstance(v, torch.Tensor):
+                state[f"{g.name}.{k}"] = v
+            else:
+                state[f"{g.name}.{k}"] = torch.tensor(v, dtype=torch.float64)
+    hparams = [{k: v for k, v in pg.items() if k != "params"} for pg in opt.optimizer.param_groups]
+    out = {"state": state, "param_groups": hparams, "skipped_steps": torch.tensor(opt.skipped_steps)}
+    if opt.loss_scaler is not None:
+        out["loss_scaler"] = torch.tensor([opt.loss_scaler.value, opt.loss_scaler._clean], dtype=torch.float64)
+    return out
+
+
+def _check(model, optimizer):
+    if not isinstance(model, ShardedModel):
+        raise TypeError(f"model must be a ShardedModel from qcoll.zero.shard, got {type(model).__name__}")
+    if optimizer is not None and (not isinstance(optimizer, Optimizer) or optimizer.model is not model):
+        raise TypeError("optimizer must be the qcoll.zero.Optimizer of this model")
+
+
+def save(checkpoint_dir, model: ShardedModel, optimizer: Optimizer | None = None) -> None:
+    """Save the sharded model (and optimizer) state to ``checkpoint_dir`` (collective)."""
+    _check(model, optimizer)
+    model.engine.wait_reduces()
+    state = {"model": _model_state(model), "engine": {"micro_step": torch.tensor(model.engine.micro_step)}}
+    if optimizer is not None:
+        _ensure_optimizer_state(optimizer)
+        state["optim"] = _optimizer_state(optimizer)
+    dcp.save(state, checkpoint_id=str(checkpoint_dir))
+
+
+def load(checkpoint_dir, model: ShardedModel, optimizer: Optimizer | None = None) -> None:
+    """Load a checkpoint written by :func:`save`, with any world size (collective)."""
+    _check(model, optimizer)
+    model.engine.wait_reduces()
+    state = {"model": _model_state(model), "engine": {"micro_step": torch.tensor(0)}}
+    if optimizer is not None:
+        _ensure_optimizer_state(optimizer)
+        state["optim"] = _optimizer_state(optimizer)
+    dcp.load(state, checkpoint_id=str(checkpoint_dir))
+    groups = {g.name: g for g in model.groups}
+    with torch.no_grad():
+        for key, value in state["model"].items():
+            kind, name = key.split(".", 1)
+            if kind == "flat":
+                g = groups[name]
+                g.master.zero_()
+                g.master[: g.local_numel].copy_(value.to_local())
+        buffers = model.module.state_dict(keep_vars=True)
+        for key, value in state["model"].items():
+            if key.startswith("buffer."):
+                buffers[key[len("buffer."):]].copy_(value)
+    model.engine.micro_step = int(state["engine"]["micro_step"])
+    if optimizer is not None:
+        _restore_optimizer(optimizer, state["optim"], groups)
+
+
+def _restore_optimizer(opt: Optimizer, saved: dict, groups: dict) -> None:
+    by_master = {id(g.master): g for g in groups.values()}
+    with torch.no_grad():
+        for m in opt.masters:
+            g = by_master[id(m)]
+            for k, v in opt.optimizer.state[m].items():
+                loaded = saved["state"][f"{g.name}.{k}"]
+                if isinstance(v, torch.Tensor) and v.shape == m.shape:
+                    v.zero_()
+                    v[: g.local_numel].copy_(loaded.to_local())
+                elif isinstance(v, torch.Tensor):
+                    v.copy_(loaded)
+                else:
+                    opt.optimizer.state[m][k] = type(v)(loaded.item())
+    for pg, hp in zip(opt.optimizer.param_groups, saved["param_groups"]):
+        pg.update(hp)
+    opt.skipped_steps = int(saved["skipped_steps"])
+    if opt.loss_scaler is not None and "loss_scaler" in saved:
+        value, clean = saved["loss_scaler"].tolist()
+        opt.loss_scaler.value, opt.loss_scaler._clean = value, int(clean)

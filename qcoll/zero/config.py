@@ -1,0 +1,105 @@
+"""``ZeroConfig``: what the ZeRO++ layer quantizes and how, and the DeepSpeed mapping."""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+
+from ..quant import format as fmt
+
+_COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+# DeepSpeed ``zero_optimization`` keys that qcoll understands; everything else is ignored (and named).
+_DS_KNOWN = {"stage", "zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+    """Configuration of :func:`qcoll.zero.shard`.
+
+    ``weight_bits``: qwZ bits of the forward (and, without hpZ, backward) weight
+    all-gather, ``None`` for the unquantized gather. ``hpz``: keep a node-local
+    secondary shard so the backward gather stays inside the node. ``grad_bits``:
+    qgZ bits of the gradient reduce-scatter, ``None`` for ``reduce_scatter_tensor``.
+    ``weight_block`` / ``grad_block``: quantization block sizes.
+    ``stochastic_grad_rounding``: stochastic rounding of gradients (seeded by the
+    step, the unit and the rank: reproducible). ``prefetch``: how many units ahead
+    to gather asynchronously (0 disables). ``compute_dtype``: dtype of the gathered
+    parameters and the forward/backward (``None``: fp32); master weights and
+    optimizer state are always fp32.
+
+    ``ZeroConfig(weight_bits=None, hpz=False, grad_bits=None)`` is plain ZeRO-3.
+    """
+
+    weight_bits: int | None = 8
+    hpz: bool = True
+    grad_bits: int | None = 4
+    weight_block: int = fmt.DEFAULT_WEIGHT_BLOCK
+    grad_block: int = fmt.DEFAULT_GRAD_BLOCK
+    stochastic_grad_rounding: bool = False
+    prefetch: int = 1
+    compute_dtype: torch.dtype | None = None
+
+    def __post_init__(self):
+        if self.weight_bits is not None:
+            fmt.check_bits(self.weight_bits, "weight_bits")
+        if self.grad_bits is not None:
+            fmt.check_bits(self.grad_bits, "grad_bits")
+        fmt.check_block_size(self.weight_block, "weight_block")
+        fmt.check_block_size(self.grad_block, "grad_block")
+        for name in ("hpz", "stochastic_grad_rounding"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"prefetch must be a non-negative int, got {self.prefetch!r}")
+        if self.compute_dtype not in _COMPUTE_DTYPES:
+            raise TypeError(f"compute_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, "
+                            f"got {self.compute_dtype!r}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.compute_dtype or torch.float32
+
+    @classmethod
+    def zero3(cls, **overrides) -> "ZeroConfig":
+        """Plain ZeRO-3: no quantization, no secondary shard."""
+        return cls(**{"weight_bits": None, "hpz": False, "grad_bits": None, **overrides})
+
+    @classmethod
+    def from_deepspeed(cls, config: dict, ranks_per_node: int | None = None, **overrides) -> "ZeroConfig":
+        """Build from a DeepSpeed config (whole, or its ``zero_optimization`` section).
+
+        ``stage`` must be 3. ``zero_quantized_weights`` -> 8-bit qwZ,
+        ``zero_quantized_gradients`` -> 4-bit qgZ, ``zero_hpz_partition_size > 1``
+        -> hpZ with the node (``ranks_per_node``) as the secondary group; a size
+        other than ``ranks_per_node`` gets a warning naming both. Keys qcoll does
+        not implement are listed in one warning and otherwise ignored.
+        ``overrides`` are further :class:`ZeroConfig` fields.
+        """
+        if not isinstance(config, dict):
+            raise TypeError(f"config must be a dict, got {type(config).__name__}")
+        section = config.get("zero_optimization", config)
+        if not isinstance(section, dict):
+            raise TypeError(f"zero_optimization must be a dict, got {type(section).__name__}")
+        stage = section.get("stage", 0)
+        if stage != 3:
+            raise ValueError(f"qcoll implements ZeRO stage 3 only; zero_optimization.stage is {stage!r}")
+        ignored = sorted(set(section) - _DS_KNOWN)
+        ignored_top = sorted(k for k in config if k != "zero_optimization") if section is not config else []
+        if ignored or ignored_top:
+            names = ", ".join([f"zero_optimization.{k}" for k in ignored] + ignored_top)
+            warnings.warn(f"qcoll ZeroConfig.from_deepspeed ignores these DeepSpeed keys: {names}", stacklevel=2)
+        hpz_size = section.get("zero_hpz_partition_size", 1)
+        if isinstance(hpz_size, bool) or not isinstance(hpz_size, int) or hpz_size < 1:
+            raise ValueError(f"zero_hpz_partition_size must be a positive int, got {hpz_size!r}")
+        if hpz_size > 1 and ranks_per_node is not None and hpz_size != ranks_per_node:
+            warnings.warn(f"zero_hpz_partition_size={hpz_size} differs from ranks_per_node={ranks_per_node}; "
+                          f"qcoll uses the node ({ranks_per_node} ranks) as the hpZ secondary group", stacklevel=2)
+        fields = {
+            "weight_bits": 8 if section.get("zero_quantized_weights", False) else None,
+            "grad_bits": 4 if section.get("zero_quantized_gradients", False) else None,
+            "hpz": hpz_size > 1,
+        }
+        fields.update(overrides)
+        return cls(**fields)

@@ -1,0 +1,142 @@
+"""``Optimizer``: any torch optimizer stepping the fp32 master shards, with overflow skipping."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .model import ShardedModel
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 compute (as ``torch.amp.GradScaler``).
+
+    ``scale(loss)`` multiplies the loss; the :class:`Optimizer` divides the
+    gradients by the scale before stepping, halves the scale (``backoff``) and skips
+    the step when a gradient is non-finite, and doubles it (``growth``) after
+    ``growth_interval`` clean steps.
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth: float = 2.0, backoff: float = 0.5,
+                 growth_interval: int = 1000, min_scale: float = 1.0):
+        if not init_scale > 0:
+            raise ValueError(f"init_scale must be positive, got {init_scale!r}")
+        if not growth > 1 or not 0 < backoff < 1:
+            raise ValueError(f"growth must be > 1 and backoff in (0, 1), got {growth!r}, {backoff!r}")
+        self.value = float(init_scale)
+        self.growth, self.backoff = growth, backoff
+        self.growth_interval, self.min_scale = growth_interval, min_scale
+        self._clean = 0
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.value
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.value = max(self.min_scale, self.value * self.backoff)
+            self._clean = 0
+        else:
+            self._clean += 1
+            if self._clean >= self.growth_interval:
+                self.value *= self.growth
+                self._clean = 0
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "clean": self._clean}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value, self._clean = float(state["value"]), int(state["clean"])
+
+
+class Optimizer:
+    """Step ``optimizer_class`` (e.g. ``torch.optim.AdamW``) on the master shards of ``model``.
+
+    ``model`` must come from :func:`qcoll.zero.shard`. The inner torch optimizer is
+    ``.optimizer`` (give it to LR schedulers). Each flat shard is one parameter
+    of the inner optimizer, so per-parameter options (e.g. no weight decay on
+    biases) apply per unit, and optimizers that need per-tensor norms (LAMB) see
+    shards, not tensors.
+
+    ``step()`` checks every rank's gradients for NaN/Inf (one all-reduce); if any is
+    non-finite it skips the update, clears the gradients, counts it in
+    ``skipped_steps``, sets ``last_step_skipped`` and returns False.
+    """
+
+    def __init__(self, model, optimizer_class, loss_scaler: LossScaler | None = None, **kwargs):
+        if not isinstance(model, ShardedModel):
+            raise TypeError(f"model must be a ShardedModel returned by qcoll.zero.shard(...), "
+                            f"got {type(model).__name__}")
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+        if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
+            raise TypeError(f"loss_scaler must be a qcoll.zero.LossScaler, got {type(loss_scaler).__name__}")
+        self.model = model
+        self.masters = model.trainable_masters()
+        if not self.masters:
+            raise ValueError("model has no trainable parameters")
+        self.optimizer = optimizer_class(self.masters, **kwargs)
+        self.loss_scaler = loss_scaler
+        self.skipped_steps = 0
+        self.last_step_skipped = False
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def _found_inf(self) -> bool:
+        local = torch.zeros(1)
+        for m in self.masters:
+            if m.grad is not None and not bool(torch.isfinite(m.grad).all()):
+                local.fill_(1.0)
+                break
+        dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        return bool(local.item())
+
+    def step(self, closure=None) -> bool:
+        """Update the master shards; False when skipped for non-finite gradients."""
+        if closure is not None:
+            raise ValueError("closure is not supported by qcoll.zero.Optimizer")
+        self.model.engine.wait_reduces()
+        found_inf = self._found_inf()
+        applied = self.loss_scaler.value if self.loss_scaler is not None else None
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf)
+        self.last_step_skipped = found_inf
+        if found_inf:
+            self.skipped_steps += 1
+            self.zero_grad()
+            return False
+        if applied is not None and applied != 1.0:
+            for m in self.masters:
+                if m.grad is not None:
+                    m.grad.div_(applied)
+        self.optimizer.step()
+        return True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for m in self.masters:
+            if set_to_none:
+                m.grad = None
+            elif m.grad is not None:
+                m.grad.zero_()
+        for g in self.model.groups:
+            g.drop_param_grads()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm (over all shards of all ranks) to ``max_norm``."""
+        self.model.engine.wait_reduces()
+        sq = torch.zeros(1, dtype=torch.float64)
+        for m in self.masters:
+            if m.grad is not None:
+                sq += m.grad.double().pow(2).sum()
+        dist.all_reduce(sq)
+        norm = sq.sqrt()
+        factor = float(max_norm) / (float(norm) + 1e-6)
+        if factor < 1:
+            for m in self.masters:
+                if m.grad is not None:
+                    m.grad.mul_(factor)
+        return norm.float()
