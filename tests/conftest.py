@@ -14,3 +14,11 @@ def ranks4():
     pool = RankPool(4)
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session")
+def ranks2():
+    """Two gloo ranks (for resharding a 4-rank checkpoint into 2)."""
+    pool = RankPool(2)
+    yield pool
+    pool.close()

@@ -116,8 +116,9 @@ def load(checkpoint_dir, model: ShardedModel, optimizer: Optimizer | None = None
             kind, name = key.split(".", 1)
             if kind == "flat":
                 g = groups[name]
+                local = value.to_local().clone()  # may be a view of the master itself (loaded in place)
                 g.master.zero_()
-                g.master[: g.local_numel].copy_(value.to_local())
+                g.master[: g.local_numel].copy_(local)
         buffers = model.module.state_dict(keep_vars=True)
         for key, value in state["model"].items():
             if key.startswith("buffer."):
@@ -135,8 +136,9 @@ def _restore_optimizer(opt: Optimizer, saved: dict, groups: dict) -> None:
             for k, v in opt.optimizer.state[m].items():
                 loaded = saved["state"][f"{g.name}.{k}"]
                 if isinstance(v, torch.Tensor) and v.shape == m.shape:
+                    local = loaded.to_local().clone()
                     v.zero_()
-                    v[: g.local_numel].copy_(loaded.to_local())
+                    v[: g.local_numel].copy_(local)
                 elif isinstance(v, torch.Tensor):
                     v.copy_(loaded)
                 else:

@@ -1,0 +1,104 @@
+"""ZeroConfig, the DeepSpeed mapping and misuse errors of qcoll.zero."""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import qcoll
+from qcoll import zero
+
+from zero_helpers import tiny_model
+
+
+def test_defaults_are_zeropp():
+    c = zero.ZeroConfig()
+    assert (c.weight_bits, c.hpz, c.grad_bits, c.weight_block, c.grad_block) == (8, True, 4, 256, 128)
+    assert zero.ZeroConfig.zero3() == zero.ZeroConfig(weight_bits=None, hpz=False, grad_bits=None)
+
+
+@pytest.mark.parametrize("kwargs,exc,word", [
+    ({"weight_bits": 3}, ValueError, "weight_bits"),
+    ({"grad_bits": "4"}, TypeError, "grad_bits"),
+    ({"weight_block": 100}, ValueError, "weight_block"),
+    ({"grad_block": 8192}, ValueError, "grad_block"),
+    ({"hpz": 1}, TypeError, "hpz"),
+    ({"prefetch": -1}, ValueError, "prefetch"),
+    ({"compute_dtype": torch.int8}, TypeError, "compute_dtype"),
+])
+def test_bad_config_names_the_argument(kwargs, exc, word):
+    with pytest.raises(exc, match=word):
+        zero.ZeroConfig(**kwargs)
+
+
+def test_from_deepspeed_maps_the_zeropp_keys():
+    ds = {"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 2,
+        "zero_quantized_gradients": True, "overlap_comm": True}}
+    with pytest.warns(UserWarning, match=r"zero_optimization\.overlap_comm.*train_batch_size"):
+        c = zero.ZeroConfig.from_deepspeed(ds, ranks_per_node=2)
+    assert (c.weight_bits, c.hpz, c.grad_bits) == (8, True, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain = zero.ZeroConfig.from_deepspeed({"stage": 3})
+    assert plain == zero.ZeroConfig.zero3()
+
+
+def test_from_deepspeed_hpz_size_mismatch_warns_with_both_numbers():
+    with pytest.warns(UserWarning, match=r"zero_hpz_partition_size=8.*ranks_per_node=2"):
+        c = zero.ZeroConfig.from_deepspeed({"stage": 3, "zero_hpz_partition_size": 8}, ranks_per_node=2)
+    assert c.hpz
+
+
+@pytest.mark.parametrize("cfg,exc", [({"stage": 2}, ValueError), ([], TypeError),
+                                     ({"stage": 3, "zero_hpz_partition_size": 0}, ValueError)])
+def test_from_deepspeed_rejects(cfg, exc):
+    with pytest.raises(exc):
+        zero.ZeroConfig.from_deepspeed(cfg)
+
+
+def test_optimizer_on_an_unsharded_model_is_a_type_error():
+    with pytest.raises(TypeError, match="qcoll.zero.shard"):
+        zero.Optimizer(nn.Linear(2, 2), torch.optim.SGD, lr=0.1)
+
+
+def test_shard_before_init_process_group():
+    with pytest.raises(RuntimeError, match="torch.distributed"):
+        zero.shard(nn.Linear(2, 2))
+
+
+def _misuse(rank, world):
+    with pytest.raises(ValueError, match="not divisible by ranks_per_node=3"):
+        qcoll.Topology(3)
+    topo = qcoll.Topology(2)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"unit 1 \(ReLU\) has no parameters"):
+        zero.shard(model, topo, units=[model[0], model[1]])
+    with pytest.raises(ValueError, match="not a submodule"):
+        zero.shard(model, topo, units=[nn.Linear(1, 1)])
+    with pytest.raises(TypeError, match="config"):
+        zero.shard(model, topo, config={"weight_bits": 8})
+    m = zero.shard(model, topo)
+    with pytest.raises(ValueError, match="already sharded"):
+        zero.shard(m, topo)
+    with pytest.raises(TypeError, match="optimizer_class"):
+        zero.Optimizer(m, "adam")
+    with pytest.raises(TypeError, match="ShardedModel"):
+        zero.save("/nonexistent", model)
+    return True
+
+
+def test_misuse_errors_on_4_ranks(ranks4):
+    assert ranks4.run(_misuse, timeout=60) == [True] * 4
+
+
+def _units_by_class(rank, world):
+    from qcoll.bench.transformer import Block
+    topo = qcoll.Topology(2)
+    m = zero.shard(tiny_model(0), topo, units=[Block])
+    return [g.name for g in m.groups]
+
+
+def test_units_by_module_class(ranks4):
+    names = ranks4.run(_units_by_class, timeout=60)[0]
+    assert names == ["<root>", "blocks.0", "blocks.1"]
