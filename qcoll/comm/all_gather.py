@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .c10d import all_gather_flat
 from ..quant import format as fmt
 from ..quant import rows
 from . import validate
@@ -55,7 +56,7 @@ def all_gather_quantized(
         wire = rows.quantize_rows(src.reshape(1, -1), bits, block_size).reshape(-1)
         recv = torch.empty(size * wire.numel(), dtype=torch.uint8, device=input.device)
     stats.add("all_gather", group, (size - 1) * wire.numel() * wire.element_size())
-    work = dist.all_gather_into_tensor(recv, wire, group=group, async_op=True)
+    work = all_gather_flat(recv, wire, group=group, async_op=True)
 
     def complete():
         work.wait()

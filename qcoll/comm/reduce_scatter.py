@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .c10d import reduce_scatter_flat
 from ..quant import format as fmt
 from ..quant import rows
 from ..quant.rng import rank_seed
@@ -128,7 +129,7 @@ def reduce_scatter_quantized(
 def _baseline(output, input, world, op, async_op):
     src = input.contiguous().view(-1)
     stats.add("reduce_scatter", None, src.numel() * src.element_size() * (world - 1) // world)
-    work = dist.reduce_scatter_tensor(output, src, group=None, async_op=True)
+    work = reduce_scatter_flat(output, src, group=None, async_op=True)
 
     def complete():
         work.wait()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .c10d import all_gather_flat
 from ..quant import rows
 from . import validate
 from .handle import finish
@@ -72,7 +73,7 @@ def replica_gather(output: torch.Tensor, secondary: SecondaryShard, async_op: bo
     recv = output.view(-1) if secondary.bits is None else torch.empty(L * mine.numel(), dtype=mine.dtype,
                                                                        device=mine.device)
     stats.add("replica_gather", t.intra_group, (L - 1) * mine.numel() * mine.element_size())
-    work = dist.all_gather_into_tensor(recv, mine, group=t.intra_group, async_op=True)
+    work = all_gather_flat(recv, mine, group=t.intra_group, async_op=True)
 
     def complete():
         work.wait()

@@ -11,6 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from .c10d import all_gather_flat
 from ..quant import format as fmt
 
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
@@ -53,7 +54,7 @@ def debug_check(op: str, group, numel: int, bits, block_size: int, dtype: torch.
     mine = torch.tensor([_OPS[op], numel, bits or 0, block_size, _DTYPE_CODES[dtype]], dtype=torch.int64, device=device)
     size = dist.get_world_size(group)
     every = torch.empty(size, mine.numel(), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every.view(-1), mine, group=group)
+    all_gather_flat(every.view(-1), mine, group=group)
     if bool((every == every[0]).all()):
         return
     fields = ("op", "numel", "bits", "block_size", "dtype")
