@@ -1,18 +1,42 @@
-"""``qcoll-bench``: microbenchmarks of qcoll's collectives against the unquantized baseline."""
+"""``qcoll-bench``: benchmarks of qcoll's collectives against the unquantized baseline.
+
+Each subcommand is a module of :mod:`qcoll.bench` named in :data:`SUBCOMMANDS`
+(adding one is a one-line change there). The module exposes::
+
+    register(subparsers) -> argparse.ArgumentParser
+
+which adds its parser (``subparsers.add_parser(name, ...)``), calls
+:func:`add_common_options` on it for the shared options, and sets
+``func=<callable(args, parser) -> int>`` as a default. ``func`` validates its
+arguments (``parser.error`` for a one-line message and exit code 2; start with
+:func:`check_common`), runs, and returns the exit code. :func:`main` turns
+Ctrl-C into exit code 130, SIGTERM into 143 and a failed rank into 1, after
+:mod:`qcoll.bench.launch` has stopped every worker.
+
+The ``python -m qcoll.bench`` form is the same as the console script.
+"""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
 import sys
+import tempfile
 
-import torch.distributed as dist
+SUBCOMMANDS = ("collectives",)
 
-from . import collectives
-from .launch import run_ranks
-from .sizes import parse_size
+PROG = "qcoll-bench"
 
 
-def _positive(text: str) -> int:
+class ArgumentParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr (exit code 2), no usage dump."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
     try:
         v = int(text)
     except ValueError:
@@ -22,50 +46,110 @@ def _positive(text: str) -> int:
     return v
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qcoll-bench", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("collectives", help="sweep message sizes for all-gather, replica gather, reduce-scatter")
-    c.add_argument("--nproc", type=_positive, default=None, help="spawn this many local gloo ranks")
-    c.add_argument("--ranks-per-node", type=_positive, default=None, help="ranks per (emulated) node")
-    c.add_argument("--min", type=parse_size, default=parse_size("1K"), help="smallest buffer (default 1K)")
-    c.add_argument("--max", type=parse_size, default=parse_size("1M"), help="largest buffer (default 1M)")
-    c.add_argument("--factor", type=_positive, default=2, help="size multiplier between steps (default 2)")
-    c.add_argument("--iters", type=_positive, default=10, help="timed iterations per point (median reported)")
-    c.add_argument("--warmup", type=int, default=2, help="untimed warm-up iterations")
-    c.add_argument("--bits", type=int, nargs="+", default=[8, 6, 4, 2], choices=[8, 6, 4, 2],
-                   help="qwZ weight bits to sweep")
-    c.add_argument("--grad-bits", type=int, default=4, choices=[8, 6, 4, 2], help="qgZ gradient bits")
-    c.add_argument("--chunks", type=_positive, default=4, help="qgZ pipeline chunks for the chunked variant")
-    c.add_argument("--json", default=None, help="write all figures to this JSON file")
+def nonnegative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def add_common_options(p: argparse.ArgumentParser, *, iters: int = 10, warmup: int = 2) -> argparse.ArgumentParser:
+    """The options every subcommand shares: ranks, output files, iteration counts."""
+    g = p.add_argument_group("ranks and output")
+    g.add_argument("--nproc", type=positive_int, default=None,
+                   help="spawn this many local gloo ranks (default: 1, or the ranks torchrun started)")
+    g.add_argument("--ranks-per-node", type=positive_int, default=None,
+                   help="ranks per (emulated) node (default: all ranks, or LOCAL_WORLD_SIZE under torchrun)")
+    g.add_argument("--json", default=None, metavar="FILE", help="write all figures to this JSON file")
+    g.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="plot bandwidth vs size per variant (needs matplotlib: pip install 'qcoll[plot]')")
+    g.add_argument("--iters", type=positive_int, default=iters,
+                   help=f"timed iterations per point, median reported (default {iters})")
+    g.add_argument("--warmup", type=nonnegative_int, default=warmup,
+                   help=f"untimed warm-up iterations per point (default {warmup})")
     return p
 
 
-def _collectives_rank(args) -> None:
-    rows = collectives.run(args)
-    if dist.get_rank() == 0:
-        print(collectives.format_table(rows), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"command": "collectives", "world": dist.get_world_size(),
-                           "ranks_per_node": args.ranks_per_node, "rows": rows}, f, indent=1)
+def check_common(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Validate the shared options; fills ``args.world`` and ``args.ranks_per_node``; returns the world size.
+
+    Under torchrun (``RANK`` set, no ``--nproc``) the world is ``WORLD_SIZE`` and
+    the default ranks per node ``LOCAL_WORLD_SIZE``.
+    """
+    if args.nproc is None and "RANK" in os.environ:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        default_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    else:
+        world = args.nproc or 1
+        default_per_node = world
+    if args.ranks_per_node is None:
+        args.ranks_per_node = default_per_node
+    if world % args.ranks_per_node:
+        parser.error(f"--nproc {world} is not divisible by --ranks-per-node {args.ranks_per_node}")
+    args.world = world
+    for opt in ("json", "plot"):
+        path = getattr(args, opt)
+        if path is not None:
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder):
+                parser.error(f"--{opt} {path}: folder {folder} does not exist")
+    if args.plot is not None:
+        from . import plot
+
+        problem = plot.check(args.plot)
+        if problem:
+            parser.error(problem)
+    return world
+
+
+def write_json(path: str, doc: dict) -> None:
+    """Write ``doc`` to ``path`` atomically (an interrupted run never leaves half a file)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".qcoll-bench-", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog=PROG, description="Benchmarks of qcoll's collectives against the unquantized baseline.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"{__package__}.{name}").register(sub)
+    p.subcommands = dict(sub.choices)   # command name -> its parser
+    return p
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.min > args.max:
-        parser.error(f"--min ({args.min}) is larger than --max ({args.max})")
-    if args.factor < 2:
-        parser.error("--factor must be at least 2")
-    world = args.nproc or 1
-    if args.ranks_per_node is None:
-        args.ranks_per_node = world
-    if world % args.ranks_per_node:
-        parser.error(f"--nproc {world} is not divisible by --ranks-per-node {args.ranks_per_node}")
+    subparser = parser.subcommands[args.command]
+    from .launch import RankFailed, Terminated
+
     try:
-        run_ranks(_collectives_rank, args, args.nproc, args.ranks_per_node)
+        return int(args.func(args, subparser) or 0)
     except KeyboardInterrupt:
-        print("qcoll-bench: interrupted", file=sys.stderr)
+        _stopped("interrupted")
         return 130
-    return 0
+    except Terminated:
+        _stopped("terminated")
+        return 143
+    except RankFailed as e:
+        _stopped(f"rank {e.rank} failed:\n{e.detail}")
+        return 1
+
+
+def _stopped(message: str) -> None:
+    from .progress import wanted
+
+    # a stopped rank 0 cannot erase its progress bar: start on a fresh line if one may be on screen
+    print(("\n" if wanted(sys.stderr) else "") + f"{PROG}: {message}", file=sys.stderr, flush=True)

@@ -1,13 +1,44 @@
-"""Run a benchmark function on N local gloo ranks, or on the ranks torchrun started."""
+"""Run a benchmark function on N local gloo ranks, or on the ranks torchrun started.
+
+Signals. A Ctrl-C in a terminal sends SIGINT to the whole foreground process
+group, workers included. The workers therefore ignore SIGINT (they inherit the
+ignored disposition from the moment they are started, so even a worker still
+importing torch prints no traceback); the parent alone turns it into
+``KeyboardInterrupt``, stops every worker (SIGTERM, then SIGKILL after a grace
+period), waits for them, and re-raises. SIGTERM to the parent does the same and
+raises :class:`Terminated`. Workers also get SIGKILL if the parent dies
+(``PR_SET_PDEATHSIG``), so no rank outlives the command.
+"""
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
+import pickle
+import signal
 import socket
+import sys
+import threading
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+GRACE_S = 5.0
+
+
+class RankFailed(RuntimeError):
+    """A spawned rank raised or died; ``detail`` is its traceback or exit status."""
+
+    def __init__(self, rank: int, detail: str):
+        super().__init__(f"rank {rank} failed: {detail}")
+        self.rank = rank
+        self.detail = detail
+
+
+class Terminated(Exception):
+    """The parent received SIGTERM; the workers have been stopped."""
 
 
 def _free_port() -> int:
@@ -16,7 +47,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _quiet() -> None:
+    """Drop torch's per-call deprecation notices for ``*_into_tensor``/``*_tensor`` collectives (torch >= 2.13)."""
+    warnings.filterwarnings("ignore", message=r".* is deprecated\. Please use .*_single.* instead",
+                            category=FutureWarning)
+
+
 def _entry(rank, world, port, ranks_per_node, fn, args, addr):
+    _quiet()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent handles Ctrl-C (module docstring)
+    _die_with_parent()                               # torch's own death signal is SIGINT, ignored here
     os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
@@ -27,13 +77,70 @@ def _entry(rank, world, port, ranks_per_node, fn, args, addr):
         dist.destroy_process_group()
 
 
+def _stop(processes) -> None:
+    """SIGTERM every live worker, SIGKILL those still alive after ``GRACE_S``, reap all."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join(GRACE_S)
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+        p.join()
+
+
+def _root_cause(ctx, rank: int, detail: str) -> tuple[int, str]:
+    """The failed rank to report: the first one whose error is not just a peer's dropped connection.
+
+    When one rank raises, the others often fail too, with gloo's "Connection closed by peer",
+    and whichever exits first is the one ``join`` saw.
+    """
+    traces = {rank: detail}
+    for i, path in enumerate(getattr(ctx, "error_files", [])):
+        if i != rank and os.access(path, os.R_OK):
+            try:
+                with open(path, "rb") as f:
+                    traces[i] = pickle.load(f).strip()
+            except Exception:
+                pass
+    secondary = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+    causes = [i for i in sorted(traces) if not any(m in (traces[i].splitlines() or [""])[-1] for m in secondary)]
+    chosen = causes[0] if causes else rank
+    others = sorted(set(traces) - {chosen})
+    note = f"\n(ranks {others} failed as well)" if others else ""
+    return chosen, traces[chosen] + note
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def _set_signal(signum, handler):
+    """``signal.signal`` where allowed (main thread); returns the previous handler or None."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signum, handler)
+
+
+def _restore_signal(signum, previous) -> None:
+    if previous is not None:
+        signal.signal(signum, previous)
+
+
 def run_ranks(fn, args, nproc: int | None, ranks_per_node: int, addr: str = "127.0.0.1") -> None:
     """Call ``fn(args)`` on every rank with the default group initialized.
 
-    Under torchrun (``RANK`` set) the current process is one rank; otherwise
-    ``nproc`` workers are spawned on this host.
+    Under torchrun (``RANK`` set and no ``nproc``) the current process is one
+    rank; otherwise ``nproc`` workers are spawned on this host. ``fn`` and
+    ``args`` must pickle (a module-level function, an ``argparse.Namespace``).
+
+    Raises :class:`RankFailed` when a worker fails (the others are stopped),
+    ``KeyboardInterrupt`` on Ctrl-C and :class:`Terminated` on SIGTERM, in both
+    cases only after every worker has exited.
     """
     if "RANK" in os.environ and nproc is None:
+        _quiet()
         dist.init_process_group("gloo")
         try:
             fn(args)
@@ -41,5 +148,25 @@ def run_ranks(fn, args, nproc: int | None, ranks_per_node: int, addr: str = "127
             dist.destroy_process_group()
         return
     world = nproc or 1
-    mp.start_processes(_entry, args=(world, _free_port(), ranks_per_node, fn, args, addr), nprocs=world,
-                       start_method="spawn")
+    port = _free_port()
+    previous_int = _set_signal(signal.SIGINT, signal.SIG_IGN)   # inherited by the workers
+    try:
+        ctx = mp.start_processes(_entry, args=(world, port, ranks_per_node, fn, args, addr), nprocs=world,
+                                 join=False, start_method="spawn")
+    finally:
+        _restore_signal(signal.SIGINT, previous_int)
+    previous_term = _set_signal(signal.SIGTERM, _on_sigterm)
+    try:
+        while not ctx.join(timeout=0.5):
+            pass
+    except mp.ProcessRaisedException as e:   # join() has already stopped the other workers
+        rank, detail = _root_cause(ctx, e.error_index,
+                                   e.args[0].split("terminated with the following error:\n", 1)[-1].strip())
+        raise RankFailed(rank, detail) from None
+    except mp.ProcessExitedException as e:
+        raise RankFailed(e.error_index, f"exited with {e.signal_name or f'code {e.exit_code}'}") from None
+    except BaseException:
+        _stop(ctx.processes)
+        raise
+    finally:
+        _restore_signal(signal.SIGTERM, previous_term)

@@ -5,9 +5,24 @@
     loss = model(x).loss; loss.backward(); opt.step(); opt.zero_grad()
     qcoll.zero.save(path, model, opt) / qcoll.zero.load(path, model, opt)
 """
-from .checkpoint import load, save
 from .config import ZeroConfig
+from .memory import memory_report
 from .model import ShardedModel, shard
 from .optimizer import LossScaler, Optimizer
 
-__all__ = ["shard", "ShardedModel", "ZeroConfig", "Optimizer", "LossScaler", "save", "load"]
+__all__ = ["shard", "ShardedModel", "ZeroConfig", "Optimizer", "LossScaler", "save", "load", "memory_report"]
+
+
+def save(checkpoint_dir, model, optimizer=None) -> None:
+    """Save the sharded model (and optimizer) state with torch.distributed.checkpoint (collective).
+    See :mod:`qcoll.zero.checkpoint` (imported on first use: DCP is slow to import)."""
+    from .checkpoint import save as _save
+
+    _save(checkpoint_dir, model, optimizer)
+
+
+def load(checkpoint_dir, model, optimizer=None) -> None:
+    """Load a checkpoint written by :func:`save`, with any world size (collective)."""
+    from .checkpoint import load as _load
+
+    _load(checkpoint_dir, model, optimizer)

@@ -1,0 +1,41 @@
+"""Per-rank memory of the ZeRO++ state, measured from the live tensors."""
+from __future__ import annotations
+
+import torch
+
+
+def _nbytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+def memory_report(model, optimizer=None) -> dict:
+    """Bytes this rank holds now: fp32 master shards, their gradients, the inner
+    optimizer's state, hpZ secondary shards, gathered full parameters, and what
+    ZeRO-3's rule predicts (``16 x params / world`` for fp32 Adam, plus
+    ``params / L x bits / 8`` for the hpZ secondary while it is held)."""
+    groups = model.groups
+    params = sum(g.total for g in groups)
+    world = model.topology.world_size
+    L = model.topology.ranks_per_node
+    report = {
+        "params": params,
+        "master": _nbytes(g.master for g in groups),
+        "grad": _nbytes(g.master.grad for g in groups),
+        "optimizer_state": 0,
+        "secondary": _nbytes(g.secondary.data for g in groups if g.secondary is not None),
+        "gathered": _nbytes(g.full for g in groups),
+    }
+    if optimizer is not None:
+        report["optimizer_state"] = _nbytes(v for s in optimizer.optimizer.state.values() for v in s.values())
+    bits = model.config.weight_bits
+    secondary_bytes_per_param = (bits / 8 if bits else model.config.dtype.itemsize) if model.config.hpz else 0
+    report["zero3_rule"] = 16 * params / world
+    report["hpz_rule"] = params / L * secondary_bytes_per_param
+    return report

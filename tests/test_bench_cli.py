@@ -1,0 +1,327 @@
+"""CLI smoke tests of ``qcoll-bench collectives`` on 4 local gloo ranks (2 emulated nodes x 2).
+
+One tiny sweep (``python -m qcoll.bench`` in a subprocess) is shared by the
+schema, timing, byte and error checks. The expected wire bytes are derived here
+from the wire format (DESIGN.md, docs/FORMAT.md) and the byte-accounting rule,
+not from anything the benchmark prints.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from qcoll.bench import cli, collectives
+from qcoll.bench.progress import Progress
+
+W, L = 4, 2                      # world, ranks per node
+N = W // L                       # nodes
+SIZES = [1024, 3072, 9216]       # --min 1K --max 9K --factor 3: 64, 192, 576 elements per rank
+CHUNKS = 3
+WEIGHT_BLOCK, GRAD_BLOCK = 256, 128   # DESIGN.md defaults for weights and gradients
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+slow = pytest.mark.slow   # the tests that start 4 ranks or a subprocess
+
+
+def _env(**extra):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore")
+    env.pop("RANK", None)
+    env.update(extra)
+    return env
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench")
+    argv = ["collectives", "--nproc", str(W), "--ranks-per-node", str(L), "--min", "1K", "--max", "9K",
+            "--factor", "3", "--iters", "2", "--warmup", "1", "--chunks", str(CHUNKS), "--json", str(d / "out.json")]
+    if _has_matplotlib():
+        argv += ["--plot", str(d / "bw.png")]
+    p = subprocess.run([sys.executable, "-m", "qcoll.bench", *argv], capture_output=True, text=True, timeout=180,
+                       cwd=ROOT, env=_env(QCOLL_PROGRESS="0"))
+    assert p.returncode == 0, p.stderr
+    with open(d / "out.json") as f:
+        doc = json.load(f)
+    return {"doc": doc, "rows": doc["rows"], "stdout": p.stdout, "stderr": p.stderr, "dir": d}
+
+
+def packed_nbytes(n: int, bits: int, block: int) -> int:
+    """One packed row of ``n`` elements: ceil(n/block) blocks of block*bits/8 code bytes plus a 4-byte fp32 scale."""
+    return math.ceil(n / block) * (block * bits // 8 + 4)
+
+
+def expected_wire(op: str, variant: str, bits, size: int) -> tuple[int, int]:
+    """(intra, inter) bytes one rank hands to others: DESIGN.md "Byte accounting" applied to the format."""
+    n = size // 4 // W            # shard (all-gather) or slice (reduce-scatter) elements per rank
+    if op == "all_gather":        # (W-1) x own buffer; the world group spans nodes, so inter-node
+        per_rank = {"fp32": 4 * n, "bf16": 2 * n}.get(variant) or packed_nbytes(n, bits, WEIGHT_BLOCK)
+        return 0, (W - 1) * per_rank
+    if op == "replica_gather":    # node-local all-gather of N packed primary shards: (L-1) x N x packed
+        return (L - 1) * N * packed_nbytes(n, bits, WEIGHT_BLOCK), 0
+    assert op == "reduce_scatter"
+    if variant == "fp32":         # reduce_scatter_tensor: (W-1)/W x input bytes (4*W*n), over the world
+        return 0, (W - 1) * 4 * n
+    # qgZ: every destination slice is packed on its own; hop 1 sends the other L-1 local peers N slices each,
+    # hop 2 sends the other N-1 nodes' peers one (requantized) slice each. Chunking cuts slices at block
+    # multiples, so the byte count does not depend on it.
+    p = packed_nbytes(n, bits, GRAD_BLOCK)
+    return (L - 1) * N * p, (N - 1) * p
+
+
+def expected_variants():
+    return ([("all_gather", v) for v in ("fp32", "bf16", "qwZ8", "qwZ6", "qwZ4", "qwZ2")]
+            + [("replica_gather", "hpZ8")]
+            + [("reduce_scatter", v) for v in ("fp32", "qgZ4", f"qgZ4x{CHUNKS}")])
+
+
+@slow
+def test_json_schema(sweep):
+    doc = sweep["doc"]
+    assert doc["command"] == "collectives"
+    assert doc["world"] == W and doc["ranks_per_node"] == L and doc["num_nodes"] == N
+    assert doc["columns"] == list(collectives.COLUMNS)
+    for key in ("op", "variant", "size", "count", "type", "time_us", "algbw_GBs", "busbw_GBs", "wire_bytes",
+                "ratio_vs_fp32", "max_err", "mean_err"):
+        assert key in doc["columns"]
+    rows = sweep["rows"]
+    assert all(set(r) == set(doc["columns"]) for r in rows)
+    assert sorted({r["size"] for r in rows}) == SIZES
+    for size in SIZES:
+        assert [(r["op"], r["variant"]) for r in rows if r["size"] == size] == expected_variants()
+    for r in rows:
+        assert r["count"] * 4 == r["size"]
+        assert r["type"] == ("bfloat16" if r["variant"] == "bf16" else "float32")
+        if r["variant"] in ("fp32", "bf16"):
+            assert r["bits"] is None and r["block_size"] is None
+        else:
+            assert r["block_size"] == (GRAD_BLOCK if r["op"] == "reduce_scatter" else WEIGHT_BLOCK)
+
+
+@slow
+def test_table_and_plot(sweep):
+    lines = sweep["stdout"].strip().splitlines()
+    assert "algbw" in lines[0] and "busbw" in lines[0]
+    assert len(lines) == 2 + len(sweep["rows"])
+    assert "Traceback" not in sweep["stderr"]
+    if _has_matplotlib():
+        with open(sweep["dir"] / "bw.png", "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@slow
+def test_times_and_bandwidths(sweep):
+    for r in sweep["rows"]:
+        assert r["time_us"] > 0 and r["algbw_GBs"] > 0 and r["busbw_GBs"] > 0, r
+        assert r["algbw_GBs"] == pytest.approx(r["size"] / (r["time_us"] * 1e-6) / 1e9)
+        g = L if r["op"] == "replica_gather" else W
+        assert r["busbw_GBs"] == pytest.approx(r["algbw_GBs"] * (g - 1) / g)
+
+
+@slow
+def test_wire_bytes_match_the_format(sweep):
+    rows = sweep["rows"]
+    for r in rows:
+        intra, inter = expected_wire(r["op"], r["variant"], r["bits"], r["size"])
+        assert (r["intra_bytes"], r["inter_bytes"]) == (intra, inter), r
+        assert r["wire_bytes"] == intra + inter
+        base_op = "all_gather" if r["op"] == "replica_gather" else r["op"]
+        base = sum(expected_wire(base_op, "fp32", None, r["size"]))
+        assert r["ratio_vs_fp32"] == pytest.approx((intra + inter) / base)
+
+
+def _qmax(bits: int) -> int:
+    return 2 ** (bits - 1) - 1
+
+
+# fp32 slack: the scale absmax/qmax, the product x*inv and the dequantized q*scale are each rounded to fp32
+# (relative 2**-24), which moves a code by far less than one unit; 1e-6 of max|ref| covers them.
+FP32_SLACK = 1e-6
+
+
+@slow
+def test_gather_errors_within_codec_bound(sweep):
+    rows = sweep["rows"]
+    for r in rows:
+        assert 0 <= r["mean_err"] <= r["max_err"], r
+        if r["op"] == "reduce_scatter":
+            continue
+        if r["variant"] == "fp32":
+            assert r["max_err"] == 0
+        elif r["variant"] == "bf16":
+            # round-to-nearest bf16 keeps 8 significant bits (7 stored): unit roundoff 2**-8, so
+            # |x' - x| <= 2**-8 |x| <= 2**-8 max|ref|
+            assert 0 < r["max_err"] <= 2 ** -8
+        else:
+            # block absmax quantization: |x - q*scale| <= scale/2 with scale = absmax_block / qmax, and
+            # absmax_block <= max|ref|, so the error relative to max|ref| is at most 1/(2*qmax)
+            assert 0 < r["max_err"] <= 1 / (2 * _qmax(r["bits"])) + FP32_SLACK, r
+    for size in SIZES:
+        by = {r["variant"]: r for r in rows if r["size"] == size and r["op"] != "reduce_scatter"}
+        # hpZ's backward gather is bit-identical to the qwZ8 forward gather (DESIGN.md)
+        assert (by["hpZ8"]["max_err"], by["hpZ8"]["mean_err"]) == (by["qwZ8"]["max_err"], by["qwZ8"]["mean_err"])
+        errs = [by[f"qwZ{b}"]["max_err"] for b in (8, 6, 4, 2)]
+        assert errs == sorted(errs)
+
+
+@slow
+def test_reduce_scatter_errors_within_two_hop_bound(sweep):
+    """qgZ quantizes twice (DESIGN.md): hop 1 each rank's slice, hop 2 each node's partial sum.
+
+    Hop 1: rank r's dequantized value is off by at most absmax_block(x_r)/(2 qmax) <= M_r/(2 qmax), with
+    M_r = max|x_r|. A dequantized value never exceeds its block's absmax (|q| <= qmax), so a node's partial
+    sum satisfies |p| <= sum of M_r over the node's ranks, and requantizing it (hop 2) adds at most that over
+    2 qmax. Summed over all ranks and nodes: |out - ref| <= (sum_r M_r) / qmax. The benchmark divides by
+    max|ref| with ref = sum_r x_r, so the bound is sum_r M_r / (qmax max|ref|), plus fp32 summation slack.
+    """
+    rows = [r for r in sweep["rows"] if r["op"] == "reduce_scatter"]
+    for size in SIZES:
+        S = size // 4 // W
+        inputs = [collectives.reduce_input(r, W, S).double() for r in range(W)]
+        ref = torch.stack(inputs).sum(0)
+        ratio = sum(float(x.abs().max()) for x in inputs) / float(ref.abs().max())
+        by = {r["variant"]: r for r in rows if r["size"] == size}
+        assert by["fp32"]["max_err"] == 0
+        for v in ("qgZ4", f"qgZ4x{CHUNKS}"):
+            bound = ratio / _qmax(4) + W * FP32_SLACK * ratio
+            assert 0 < by[v]["max_err"] <= bound, (v, size, by[v]["max_err"], bound)
+        # chunks cut slices at block multiples: bit-identical results, so identical errors
+        assert (by["qgZ4"]["max_err"], by["qgZ4"]["mean_err"]) == \
+               (by[f"qgZ4x{CHUNKS}"]["max_err"], by[f"qgZ4x{CHUNKS}"]["mean_err"])
+
+
+ARG_ERRORS = [
+    (["--min", "1X"], "not a size"),
+    (["--max", "inf"], "not a size"),
+    (["--min", "4K", "--max", "1K"], "larger than --max"),
+    (["--nproc", "3", "--ranks-per-node", "2"], "not divisible"),
+    (["--bits", "8", "3"], "invalid choice"),
+    (["--grad-bits", "5"], "invalid choice"),
+    (["--factor", "1"], "at least 2"),
+    (["--nproc", "4", "--min", "8"], "one fp32 element per rank"),
+    (["--warmup", "-1"], "must be >= 0"),
+    (["--json", "/nonexistent/dir/x.json"], "does not exist"),
+]
+
+
+@pytest.mark.parametrize("extra,message", ARG_ERRORS, ids=[" ".join(a) for a, _ in ARG_ERRORS])
+def test_argument_errors_exit_2_with_one_line(extra, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["collectives", *extra])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qcoll-bench collectives: error:") and message in err[0], err
+
+
+def test_missing_matplotlib_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["collectives", "--plot", "out.png"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "matplotlib" in err[0], err
+
+
+@slow
+def test_usage_errors_of_the_module_form():
+    p = subprocess.run([sys.executable, "-m", "qcoll.bench", "collectives", "--max", "lots"], capture_output=True,
+                       text=True, timeout=60, cwd=ROOT, env=_env())
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [
+        "qcoll-bench collectives: error: argument --max/--max-size: not a size: 'lots' (use e.g. 1K, 64M, 1G) "
+        "(see qcoll-bench collectives --help)"]
+    assert p.stdout == ""
+
+
+def test_subcommand_registry():
+    parser = cli.build_parser()
+    assert set(cli.SUBCOMMANDS) <= set(parser.subcommands)
+    for name in cli.SUBCOMMANDS:
+        sub = parser.subcommands[name]
+        args = sub.parse_args([])
+        for opt in ("nproc", "ranks_per_node", "json", "plot", "iters", "warmup"):
+            assert hasattr(args, opt), (name, opt)
+        assert callable(args.func)
+
+
+def test_progress_bar_draws_and_erases():
+    out = io.StringIO()
+    p = Progress(10, enabled=True, stream=out, delay=0, interval=0)
+    p.start("1K all_gather")
+    p.advance(5)
+    text = out.getvalue()
+    assert "50%" in text and "1K all_gather" in text and "\n" not in text
+    p.close()
+    assert out.getvalue().endswith("\r") and "\n" not in out.getvalue()
+    quiet = io.StringIO()
+    with Progress(10, enabled=False, stream=quiet, delay=0) as q:
+        q.advance(10)
+    assert quiet.getvalue() == ""
+    late = io.StringIO()
+    with Progress(10, enabled=True, stream=late, delay=60) as q:   # a short sweep prints nothing
+        q.advance(10)
+    assert late.getvalue() == ""
+
+
+def _session_pids(sid: int) -> set[int]:
+    pids = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":   # fields: state ppid pgrp session ...
+                pids.add(int(d))
+    return pids
+
+
+@slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_stops_every_rank_cleanly():
+    """SIGINT to the whole process group (what a terminal's Ctrl-C does) during the sweep: exit 130, no
+    traceback from any rank, no process of the run left."""
+    cmd = [sys.executable, "-m", "qcoll.bench", "collectives", "--nproc", str(W), "--ranks-per-node", str(L),
+           "--min", "64K", "--max", "64M", "--iters", "50"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True,
+                            env=_env(QCOLL_PROGRESS="1"))
+    chunks = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stderr.read1(4096), b"")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while b"qcoll-bench [" not in b"".join(chunks):   # the progress bar: rank 0 is sweeping
+            assert proc.poll() is None and time.monotonic() < deadline, b"".join(chunks).decode()
+            time.sleep(0.2)
+        assert len(_session_pids(proc.pid)) >= W + 1
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=60)
+        reader.join(10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    err = b"".join(chunks).decode(errors="replace")
+    assert rc == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "interrupted" in err
+    time.sleep(0.5)
+    assert _session_pids(proc.pid) == set()
