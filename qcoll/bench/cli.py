@@ -24,7 +24,7 @@ import os
 import sys
 import tempfile
 
-SUBCOMMANDS = ("collectives",)
+SUBCOMMANDS = ("collectives", "train")
 
 PROG = "qcoll-bench"
 

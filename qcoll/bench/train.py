@@ -1,0 +1,216 @@
+"""``qcoll-bench train``: the char transformer trained with ZeRO-3, ZeRO++ and (``--peer fsdp2``) FSDP2.
+
+Every mode trains the same model (same initial values), on the same batches of
+the Python standard library's sources, with the same AdamW, for ``--steps``
+steps. Printed per mode: median step time (after ``--warmup`` steps), tokens/s,
+first and final loss, bytes per step handed to intra- and inter-node groups
+(qcoll's byte counters; FSDP2's are its fp32 all-gathers and reduce-scatter over
+the world, counted by the same rule), and ratios against ZeRO-3.
+
+JSON (``--json FILE``): ``{"command": "train", "world", "ranks_per_node", "args",
+"runs": [{"mode", "step_time_s", "tokens_per_s", "losses": [...], "first_loss",
+"final_loss", "intra_bytes_per_step", "inter_bytes_per_step", "speedup_vs_zero3",
+"inter_ratio_vs_zero3", "memory": {...}}]}``. ``--plot FILE.png``: loss curves.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import cli
+from .launch import run_ranks
+
+NAME = "train"
+MODES = {
+    "zero3": dict(weight_bits=None, hpz=False, grad_bits=None),
+    "zeropp": dict(weight_bits=8, hpz=True, grad_bits=4),
+    "zeropp-w4": dict(weight_bits=4, hpz=True, grad_bits=4),
+    "qwz": dict(weight_bits=8, hpz=False, grad_bits=None),
+    "qgz": dict(weight_bits=None, hpz=False, grad_bits=4),
+}
+PEERS = ("fsdp2",)
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(NAME, help="train the char transformer with ZeRO-3, ZeRO++ and FSDP2 side by side",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--modes", nargs="+", default=["zero3", "zeropp"], choices=list(MODES), metavar="MODE",
+                   help=f"qcoll configurations to run, of {' '.join(MODES)} (default zero3 zeropp)")
+    p.add_argument("--peer", nargs="*", default=[], choices=PEERS, help="also run PyTorch FSDP2 (fully_shard)")
+    p.add_argument("--steps", type=cli.positive_int, default=20, help="training steps per mode (default 20)")
+    p.add_argument("--batch", type=cli.positive_int, default=16, help="global batch, sequences (default 16)")
+    p.add_argument("--context", type=cli.positive_int, default=64, help="sequence length (default 64)")
+    p.add_argument("--d-model", type=cli.positive_int, default=128, help="model width (default 128)")
+    p.add_argument("--layers", type=cli.positive_int, default=4, help="transformer blocks (default 4)")
+    p.add_argument("--heads", type=cli.positive_int, default=4, help="attention heads (default 4)")
+    p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
+    p.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+    cli.add_common_options(p, iters=1, warmup=2)
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    world = cli.check_common(parser, args)
+    if args.batch % world:
+        parser.error(f"--batch {args.batch} is not divisible by the world size {world}")
+    if args.d_model % args.heads:
+        parser.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
+    if args.warmup >= args.steps:
+        parser.error(f"--warmup {args.warmup} must be smaller than --steps {args.steps}")
+    if not args.lr > 0:
+        parser.error(f"--lr must be positive, got {args.lr}")
+    run_ranks(_rank_main, args, args.nproc, args.ranks_per_node)
+    return 0
+
+
+def _model(args):
+    from .transformer import CharTransformer, TransformerConfig
+
+    torch.manual_seed(args.seed)
+    return CharTransformer(TransformerConfig(context=args.context, d_model=args.d_model, n_layers=args.layers,
+                                             n_heads=args.heads))
+
+
+def _steps(args, forward_backward, step, rank, world):
+    from ..comm import stats
+    from .textdata import Batches, stdlib_bytes
+
+    batches = Batches(stdlib_bytes(), args.batch, args.context, args.seed + 1)
+    losses, times, traffic = [], [], []
+    for i in range(args.steps):
+        x, y = batches.next(rank, world)
+        dist.barrier()
+        stats.reset()
+        t0 = time.perf_counter()
+        loss = forward_backward(x, y)
+        step()
+        times.append(time.perf_counter() - t0)
+        traffic.append((stats.stats.intra_bytes, stats.stats.inter_bytes))
+        g = loss.detach().double().reshape(1)
+        dist.all_reduce(g)
+        losses.append(float(g) / world)
+    slowest = torch.tensor([statistics.median(times[args.warmup:])], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return losses, float(slowest), traffic[-1]
+
+
+def _run_qcoll(args, mode, topo):
+    from .. import zero
+
+    model = _model(args)
+    m = zero.shard(model, topo, zero.ZeroConfig(**MODES[mode]), units=model.units())
+    opt = zero.Optimizer(m, torch.optim.AdamW, lr=args.lr, weight_decay=0.0)
+    memory = {}
+
+    def fb(x, y):
+        loss = m(x, y)
+        memory.update(secondary_peak=zero.memory_report(m)["secondary"])
+        loss.backward()
+        return loss
+
+    def step():
+        opt.step()
+        memory.update(zero.memory_report(m, opt))
+        opt.zero_grad()
+
+    losses, seconds, (intra, inter) = _steps(args, fb, step, topo.rank, topo.world_size)
+    return losses, seconds, intra, inter, memory
+
+
+def _run_fsdp2(args, topo):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(args)
+    mesh = init_device_mesh("cpu", (topo.world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+
+    def fb(x, y):
+        loss = model(x, y)
+        loss.backward()
+        return loss
+
+    def step():
+        opt.step()
+        opt.zero_grad()
+
+    losses, seconds, _ = _steps(args, fb, step, topo.rank, topo.world_size)
+    # FSDP2 moves fp32 all-gathers (forward and backward) and a reduce-scatter over the world
+    # group per unit; counted by DESIGN.md's rule, with the world spanning nodes (inter-node).
+    W = topo.world_size
+    shard_elems = sum(-(-p.numel() // W) for p in _model(args).parameters())
+    inter = 3 * (W - 1) * 4 * shard_elems if topo.num_nodes > 1 else 0
+    intra = 0 if topo.num_nodes > 1 else 3 * (W - 1) * 4 * shard_elems
+    return losses, seconds, intra, inter, {}
+
+
+def _rank_main(args) -> None:
+    from ..comm import Topology
+
+    topo = Topology(args.ranks_per_node)
+    tokens = args.batch * args.context
+    runs = []
+    for mode in list(args.modes) + list(args.peer):
+        if mode == "fsdp2":
+            losses, seconds, intra, inter, memory = _run_fsdp2(args, topo)
+        else:
+            losses, seconds, intra, inter, memory = _run_qcoll(args, mode, topo)
+        runs.append({"mode": mode, "step_time_s": seconds, "tokens_per_s": tokens / seconds, "losses": losses,
+                     "first_loss": losses[0], "final_loss": losses[-1], "intra_bytes_per_step": intra,
+                     "inter_bytes_per_step": inter, "memory": memory})
+    base = next((r for r in runs if r["mode"] == "zero3"), None)
+    for r in runs:
+        r["speedup_vs_zero3"] = base["step_time_s"] / r["step_time_s"] if base else None
+        r["inter_ratio_vs_zero3"] = (r["inter_bytes_per_step"] / base["inter_bytes_per_step"]
+                                     if base and base["inter_bytes_per_step"] else None)
+    if topo.rank != 0:
+        return
+    print(format_table(runs), flush=True)
+    if args.json:
+        cli.write_json(args.json, {"command": NAME, "world": topo.world_size, "ranks_per_node": topo.ranks_per_node,
+                                   "args": {k: getattr(args, k) for k in ("modes", "peer", "steps", "batch",
+                                                                           "context", "d_model", "layers", "heads",
+                                                                           "lr", "seed", "warmup")},
+                                   "runs": runs})
+    if args.plot:
+        _plot(runs, args.plot)
+
+
+def format_table(runs: list[dict]) -> str:
+    head = (f"{'mode':>10} {'step(ms)':>9} {'tokens/s':>9} {'loss0':>7} {'loss':>7} {'intra/step':>11} "
+            f"{'inter/step':>11} {'speedup':>8} {'inter_x':>8}")
+    lines = [head]
+    for r in runs:
+        sp = f"{r['speedup_vs_zero3']:.2f}" if r["speedup_vs_zero3"] else "-"
+        ir = f"{r['inter_ratio_vs_zero3']:.3f}" if r["inter_ratio_vs_zero3"] is not None else "-"
+        lines.append(f"{r['mode']:>10} {r['step_time_s'] * 1e3:>9.1f} {r['tokens_per_s']:>9.0f} "
+                     f"{r['first_loss']:>7.3f} {r['final_loss']:>7.3f} {r['intra_bytes_per_step']:>11} "
+                     f"{r['inter_bytes_per_step']:>11} {sp:>8} {ir:>8}")
+    return "\n".join(lines)
+
+
+def _plot(runs: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in runs:
+        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["mode"], linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (global batch)")
+    ax.set_title("char transformer on the Python stdlib sources")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
