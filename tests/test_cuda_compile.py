@@ -128,3 +128,19 @@ def test_ptxas_no_spills(tmp_path):
     assert not problems, "ptxas reports spills:\n" + "\n".join(problems)
     expected = {name for names in sources.KERNELS.values() for name in names}
     assert expected <= seen, f"ptxas never compiled {sorted(expected - seen)}"
+
+
+def test_every_kernel_source_is_compiled_and_checked():
+    """sources.KERNELS drives the tests above: it must name every .cu file shipped, each with kernels."""
+    on_disk = {p.name for p in SRC_DIR.glob("*.cu")}
+    assert {"quantize.cu", "dequantize.cu", "swizzle_quantize.cu", "reduce_requantize.cu"} <= on_disk
+    assert set(sources.KERNELS) == on_disk
+    assert all(sources.KERNELS[s] for s in on_disk)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compile_all_returns_every_source(arch, cubins):
+    qnvrtc = _nvrtc_or_skip()
+    paths = qnvrtc.compile_all(arch)  # the module fixture's cache directory: no recompilation
+    assert set(paths) == set(sources.KERNELS)
+    assert all(paths[s].read_bytes() == cubins[(s, arch)] for s in paths)
