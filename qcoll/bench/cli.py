@@ -24,7 +24,7 @@ import os
 import sys
 import tempfile
 
-SUBCOMMANDS = ("collectives", "train")
+SUBCOMMANDS = ("collectives", "train", "cluster")
 
 PROG = "qcoll-bench"
 

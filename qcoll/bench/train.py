@@ -5,12 +5,15 @@ the Python standard library's sources, with the same AdamW, for ``--steps``
 steps. Printed per mode: median step time (after ``--warmup`` steps), tokens/s,
 first and final loss, bytes per step handed to intra- and inter-node groups
 (qcoll's byte counters; FSDP2's are its fp32 all-gathers and reduce-scatter over
-the world, counted by the same rule), and ratios against ZeRO-3.
+the world, counted by the same rule), and ratios against ZeRO-3. Inside
+``qcoll-bench cluster`` also the bytes per timed step that really crossed the
+node links (veth counters, :mod:`qcoll.bench.linkmeter`; frames with headers).
 
 JSON (``--json FILE``): ``{"command": "train", "world", "ranks_per_node", "args",
 "runs": [{"mode", "step_time_s", "tokens_per_s", "losses": [...], "first_loss",
-"final_loss", "intra_bytes_per_step", "inter_bytes_per_step", "speedup_vs_zero3",
-"inter_ratio_vs_zero3", "memory": {...}}]}``. ``--plot FILE.png``: loss curves.
+"final_loss", "intra_bytes_per_step", "inter_bytes_per_step", "link_bytes_per_step"
+(null outside a cluster), "speedup_vs_zero3", "inter_ratio_vs_zero3", "link_ratio_vs_zero3",
+"memory": {...}}]}``. ``--plot FILE.png``: loss curves.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import torch.distributed as dist
 
 from . import cli
 from .launch import run_ranks
+from .linkmeter import LinkMeter
 
 NAME = "train"
 MODES = {
@@ -81,9 +85,13 @@ def _steps(args, forward_backward, step, rank, world):
     from .textdata import Batches, stdlib_bytes
 
     batches = Batches(stdlib_bytes(), args.batch, args.context, args.seed + 1)
+    meter = LinkMeter.from_env() if rank == 0 else None
     losses, times, traffic = [], [], []
+    link_start = None
     for i in range(args.steps):
         x, y = batches.next(rank, world)
+        if meter is not None and i == args.warmup:
+            link_start = meter.read()   # every rank is past step i-1's loss all-reduce or waits in the barrier
         dist.barrier()
         stats.reset()
         t0 = time.perf_counter()
@@ -94,9 +102,11 @@ def _steps(args, forward_backward, step, rank, world):
         g = loss.detach().double().reshape(1)
         dist.all_reduce(g)
         losses.append(float(g) / world)
+    dist.barrier()
+    link = (meter.read() - link_start) / (args.steps - args.warmup) if meter is not None else None
     slowest = torch.tensor([statistics.median(times[args.warmup:])], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return losses, float(slowest), traffic[-1]
+    return losses, float(slowest), traffic[-1], link
 
 
 def _run_qcoll(args, mode, topo):
@@ -118,8 +128,8 @@ def _run_qcoll(args, mode, topo):
         memory.update(zero.memory_report(m, opt))
         opt.zero_grad()
 
-    losses, seconds, (intra, inter) = _steps(args, fb, step, topo.rank, topo.world_size)
-    return losses, seconds, intra, inter, memory
+    losses, seconds, (intra, inter), link = _steps(args, fb, step, topo.rank, topo.world_size)
+    return losses, seconds, intra, inter, link, memory
 
 
 def _run_fsdp2(args, topo):
@@ -142,14 +152,14 @@ def _run_fsdp2(args, topo):
         opt.step()
         opt.zero_grad()
 
-    losses, seconds, _ = _steps(args, fb, step, topo.rank, topo.world_size)
+    losses, seconds, _, link = _steps(args, fb, step, topo.rank, topo.world_size)
     # FSDP2 moves fp32 all-gathers (forward and backward) and a reduce-scatter over the world
     # group per unit; counted by DESIGN.md's rule, with the world spanning nodes (inter-node).
     W = topo.world_size
     shard_elems = sum(-(-p.numel() // W) for p in _model(args).parameters())
     inter = 3 * (W - 1) * 4 * shard_elems if topo.num_nodes > 1 else 0
     intra = 0 if topo.num_nodes > 1 else 3 * (W - 1) * 4 * shard_elems
-    return losses, seconds, intra, inter, {}
+    return losses, seconds, intra, inter, link, {}
 
 
 def _rank_main(args) -> None:
@@ -160,17 +170,19 @@ def _rank_main(args) -> None:
     runs = []
     for mode in list(args.modes) + list(args.peer):
         if mode == "fsdp2":
-            losses, seconds, intra, inter, memory = _run_fsdp2(args, topo)
+            losses, seconds, intra, inter, link, memory = _run_fsdp2(args, topo)
         else:
-            losses, seconds, intra, inter, memory = _run_qcoll(args, mode, topo)
+            losses, seconds, intra, inter, link, memory = _run_qcoll(args, mode, topo)
         runs.append({"mode": mode, "step_time_s": seconds, "tokens_per_s": tokens / seconds, "losses": losses,
                      "first_loss": losses[0], "final_loss": losses[-1], "intra_bytes_per_step": intra,
-                     "inter_bytes_per_step": inter, "memory": memory})
+                     "inter_bytes_per_step": inter, "link_bytes_per_step": link, "memory": memory})
     base = next((r for r in runs if r["mode"] == "zero3"), None)
     for r in runs:
         r["speedup_vs_zero3"] = base["step_time_s"] / r["step_time_s"] if base else None
         r["inter_ratio_vs_zero3"] = (r["inter_bytes_per_step"] / base["inter_bytes_per_step"]
                                      if base and base["inter_bytes_per_step"] else None)
+        r["link_ratio_vs_zero3"] = (r["link_bytes_per_step"] / base["link_bytes_per_step"]
+                                    if base and base["link_bytes_per_step"] else None)
     if topo.rank != 0:
         return
     print(format_table(runs), flush=True)
@@ -185,15 +197,22 @@ def _rank_main(args) -> None:
 
 
 def format_table(runs: list[dict]) -> str:
+    metered = any(r.get("link_bytes_per_step") is not None for r in runs)
     head = (f"{'mode':>10} {'step(ms)':>9} {'tokens/s':>9} {'loss0':>7} {'loss':>7} {'intra/step':>11} "
             f"{'inter/step':>11} {'speedup':>8} {'inter_x':>8}")
+    if metered:
+        head += f" {'link/step':>11} {'link_x':>7}"
     lines = [head]
     for r in runs:
         sp = f"{r['speedup_vs_zero3']:.2f}" if r["speedup_vs_zero3"] else "-"
         ir = f"{r['inter_ratio_vs_zero3']:.3f}" if r["inter_ratio_vs_zero3"] is not None else "-"
-        lines.append(f"{r['mode']:>10} {r['step_time_s'] * 1e3:>9.1f} {r['tokens_per_s']:>9.0f} "
-                     f"{r['first_loss']:>7.3f} {r['final_loss']:>7.3f} {r['intra_bytes_per_step']:>11} "
-                     f"{r['inter_bytes_per_step']:>11} {sp:>8} {ir:>8}")
+        line = (f"{r['mode']:>10} {r['step_time_s'] * 1e3:>9.1f} {r['tokens_per_s']:>9.0f} "
+                f"{r['first_loss']:>7.3f} {r['final_loss']:>7.3f} {r['intra_bytes_per_step']:>11} "
+                f"{r['inter_bytes_per_step']:>11} {sp:>8} {ir:>8}")
+        if metered:
+            lr = r.get("link_ratio_vs_zero3")
+            line += f" {round(r['link_bytes_per_step'] or 0):>11} {f'{lr:.3f}' if lr is not None else '-':>7}"
+        lines.append(line)
     return "\n".join(lines)
 
 

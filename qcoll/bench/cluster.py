@@ -1,0 +1,253 @@
+"""``qcoll-bench cluster``: run ``train`` or ``collectives`` on an emulated low-bandwidth cluster.
+
+One network namespace per node, each node's link to a switch rate-limited with
+``tc`` (:mod:`qcoll.bench.netns`), every rank started inside its node's namespace
+(``ip netns exec``) with the torchrun environment (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` = node 0's
+address) and ``GLOO_SOCKET_IFNAME`` set to the node's interface, so ranks of one
+node talk over loopback and ranks of different nodes over the shaped link.
+
+For each ``--link`` rate in turn the cluster is built, the command runs, the
+veth byte counters are read and the cluster is torn down again, also when the
+command fails, on Ctrl-C or on SIGTERM. Example::
+
+    qcoll-bench cluster --nodes 2 --ranks-per-node 2 --link 100mbit 1gbit unlimited \\
+        --json cluster.json -- train --modes zero3 zeropp --peer fsdp2 --steps 20
+
+JSON (``--json FILE``)::
+
+    {"command": "cluster", "nodes", "ranks_per_node", "world", "delay", "inner": [...],
+     "runs": [{"link", "rate_bits", "seconds", "cross_node_bytes", "per_node": [...],
+               "result": <the inner command's JSON>}]}
+
+``cross_node_bytes`` covers the whole command (start-up and warm-up included);
+``train`` also reports per mode the bytes per timed step (``link_bytes_per_step``).
+Needs root and iproute2; refuses with exit code 2 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from . import cli, netns
+from .launch import RankFailed, _on_sigterm, _restore_signal, _set_signal
+from .linkmeter import ENV as METER_ENV
+
+NAME = "cluster"
+INNER = ("train", "collectives")
+RESERVED = ("--nproc", "--ranks-per-node", "--json", "--plot")
+MASTER_PORT = 29500          # the namespaces are new, so nothing else listens there
+GRACE_S = 5.0
+
+
+class InnerUsageError(Exception):
+    """The command run on the cluster rejected its arguments (its ranks exited with code 2)."""
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(NAME, help="run train or collectives on an emulated cluster of network namespaces",
+                              description=__doc__.split("\n\n")[0],
+                              usage="qcoll-bench cluster [options] -- {train,collectives} [their options]")
+    p.add_argument("--nodes", type=cli.positive_int, default=2, help="emulated nodes (default 2)")
+    p.add_argument("--ranks-per-node", type=cli.positive_int, default=2, help="ranks in each node (default 2)")
+    p.add_argument("--link", nargs="+", default=["100mbit"], metavar="RATE",
+                   help="inter-node link rate(s), each run in turn: e.g. 100mbit 1gbit unlimited (default 100mbit)")
+    p.add_argument("--delay", default=None, help="one-way delay added on each node's link, e.g. 1ms (needs netem)")
+    p.add_argument("--timeout", type=cli.positive_int, default=3600,
+                   help="seconds one command may run before it is stopped (default 3600)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write every run's figures to this JSON file")
+    p.add_argument("inner", nargs=argparse.REMAINDER, help="-- then the command to run: train or collectives")
+    p.set_defaults(func=main)
+    return p
+
+
+def _inner_command(parser, args) -> list[str]:
+    inner = list(args.inner)
+    if inner[:1] == ["--"]:
+        inner = inner[1:]
+    if not inner or inner[0] not in INNER:
+        parser.error(f"give the command to run after --, one of {', '.join(INNER)} (got {' '.join(inner) or 'none'})")
+    for opt in RESERVED:
+        if any(a == opt or a.startswith(opt + "=") for a in inner[1:]):
+            parser.error(f"{opt} is set by the cluster; leave it out of the {inner[0]} command "
+                         f"(use --nodes/--ranks-per-node/--json of cluster)")
+    # parse the inner command here, so a typo is reported before any namespace exists
+    cli.build_parser().parse_args(inner)
+    return inner
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    inner = _inner_command(parser, args)
+    try:
+        rates = [netns.parse_rate(r) for r in args.link]
+        delay = netns.parse_delay(args.delay)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.json is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        parser.error(f"--json {args.json}: folder does not exist")
+    try:
+        netns.check_prerequisites()
+    except netns.ClusterError as e:
+        parser.error(str(e))
+    world = args.nodes * args.ranks_per_node
+    runs = []
+    for rate in rates:
+        label = netns.format_rate(rate)
+        print(f"== {inner[0]} on {args.nodes} nodes x {args.ranks_per_node} ranks, link {label}"
+              f"{', delay ' + netns.format_delay(delay) if delay else ''}", flush=True)
+        try:
+            run = run_on_cluster(inner, args.nodes, args.ranks_per_node, rate, delay, args.timeout)
+        except (netns.ClusterError, InnerUsageError) as e:
+            print(f"{cli.PROG} cluster: {e}", file=sys.stderr)
+            return 2
+        run["link"] = label
+        runs.append(run)
+        print(run.pop("table"), flush=True)
+        print(f"cross-node bytes (veth, whole command): {run['cross_node_bytes']} in {run['seconds']:.1f} s",
+              flush=True)
+    if inner[0] == "train":
+        print(summary_table(runs), flush=True)
+    if args.json:
+        cli.write_json(args.json, {"command": NAME, "nodes": args.nodes, "ranks_per_node": args.ranks_per_node,
+                                   "world": world, "delay": netns.format_delay(delay), "inner": inner,
+                                   "runs": runs})
+    return 0
+
+
+def _rank_preexec() -> None:
+    """In each rank (before exec): die with the driver; Ctrl-C is the driver's to handle."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _rank_env(net: netns.Network, rank: int, world: int, per_node: int) -> dict:
+    env = dict(os.environ)
+    for key in ("TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK"):
+        env.pop(key, None)
+    env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_node),
+               LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR=net.addresses[0], MASTER_PORT=str(MASTER_PORT),
+               GLOO_SOCKET_IFNAME=net.ifname, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)),
+               PYTHONUNBUFFERED="1")
+    env[METER_ENV] = net.meter().env_value()
+    return env
+
+
+def run_on_cluster(inner: list[str], nodes: int, per_node: int, rate: int | None, delay: float | None,
+                   timeout: float) -> dict:
+    """Build the cluster, run ``inner`` on ``nodes * per_node`` ranks, read the counters, tear down.
+
+    Returns ``{"rate_bits", "seconds", "cross_node_bytes", "per_node", "result", "table"}``
+    (``table``: rank 0's stdout). Raises :class:`~qcoll.bench.launch.RankFailed` when a
+    rank fails (the others are stopped first), :class:`~qcoll.bench.netns.ClusterError`
+    when the cluster cannot be built; the namespaces are gone in every case.
+    """
+    world = nodes * per_node
+    net = netns.Network(nodes, rate, delay)
+    previous_term = _set_signal(signal.SIGTERM, _on_sigterm)
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory(prefix="qcoll-cluster-") as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        try:
+            net.create()
+            before = net.counters()
+            t0 = time.perf_counter()
+            for rank in range(world):
+                out = open(os.path.join(tmp, f"rank{rank}.out"), "w")
+                err = open(os.path.join(tmp, f"rank{rank}.err"), "w")
+                cmd = ["ip", "netns", "exec", net.namespaces[rank // per_node], sys.executable, "-m", "qcoll.bench",
+                       *inner, "--json", result_path]
+                procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=_rank_env(net, rank, world, per_node),
+                                              preexec_fn=_rank_preexec, start_new_session=True))
+                out.close()
+                err.close()
+            _wait(procs, tmp, timeout)
+            seconds = time.perf_counter() - t0
+            total, per = netns.counter_delta(before, net.counters())
+            with open(result_path) as f:
+                result = json.load(f)
+            with open(os.path.join(tmp, "rank0.out")) as f:
+                table = f.read().rstrip()
+            return {"rate_bits": rate, "seconds": seconds, "cross_node_bytes": total, "per_node": per,
+                    "result": result, "table": table}
+        finally:
+            _stop(procs)
+            errors = net.destroy()
+            _restore_signal(signal.SIGTERM, previous_term)
+            for e in errors:
+                print(f"{cli.PROG} cluster: {e}", file=sys.stderr)
+
+
+def _tail(path: str, lines: int = 30) -> str:
+    try:
+        with open(path) as f:
+            text = f.read().strip().splitlines()
+    except OSError:
+        return ""
+    return "\n".join(text[-lines:])
+
+
+def _wait(procs: list[subprocess.Popen], tmp: str, timeout: float) -> None:
+    """Wait for every rank; on the first failure (or the timeout) raise :class:`RankFailed`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            time.sleep(0.5)   # let the rank that caused it exit too, then pick the root cause
+            codes = [p.poll() for p in procs]
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            secondary = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+            causes = [r for r in failed if not any(m in _tail(os.path.join(tmp, f"rank{r}.err"), 3)
+                                                    for m in secondary)]
+            rank = (causes or failed)[0]
+            detail = _tail(os.path.join(tmp, f"rank{rank}.err")) or f"exited with code {codes[rank]}"
+            if codes[rank] == 2:   # the command refused its arguments (same on every rank)
+                raise InnerUsageError(detail.splitlines()[-1])
+            raise RankFailed(rank, detail)
+        if all(c == 0 for c in codes):
+            return
+        if time.monotonic() > deadline:
+            raise RankFailed(0, f"the command did not finish within --timeout {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every live rank, SIGKILL after ``GRACE_S``, reap all."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    end = time.monotonic() + GRACE_S
+    for p in procs:
+        try:
+            p.wait(max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def summary_table(runs: list[dict]) -> str:
+    """The table of record: per link and mode, step time, link bytes per step, ratios."""
+    head = (f"{'link':>10} {'mode':>10} {'step(ms)':>9} {'link/step':>11} {'vs zero3':>9} {'bytes_x':>8} "
+            f"{'vs fsdp2':>9}")
+    lines = ["", "summary (speed-ups are step-time ratios; bytes_x: link bytes per step / ZeRO-3's)", head]
+    for run in runs:
+        modes = {r["mode"]: r for r in run["result"]["runs"]}
+        for r in run["result"]["runs"]:
+            z, f = modes.get("zero3"), modes.get("fsdp2")
+            vz = f"{z['step_time_s'] / r['step_time_s']:.2f}" if z else "-"
+            vf = f"{f['step_time_s'] / r['step_time_s']:.2f}" if f else "-"
+            bx = (f"{r['link_bytes_per_step'] / z['link_bytes_per_step']:.3f}"
+                  if z and z.get("link_bytes_per_step") else "-")
+            lines.append(f"{run['link']:>10} {r['mode']:>10} {r['step_time_s'] * 1e3:>9.1f} "
+                         f"{round(r.get('link_bytes_per_step') or 0):>11} {vz:>9} {bx:>8} {vf:>9}")
+    return "\n".join(lines)
