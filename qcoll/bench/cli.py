@@ -6,7 +6,8 @@ Each subcommand is a module of :mod:`qcoll.bench` named in :data:`SUBCOMMANDS`
     register(subparsers) -> argparse.ArgumentParser
 
 which adds its parser (``subparsers.add_parser(name, ...)``), calls
-:func:`add_common_options` on it for the shared options, and sets
+:func:`add_common_options` on it for the shared options if it starts ranks
+(``cluster`` has its own, and runs one of those that do), and sets
 ``func=<callable(args, parser) -> int>`` as a default. ``func`` validates its
 arguments (``parser.error`` for a one-line message and exit code 2; start with
 :func:`check_common`), runs, and returns the exit code. :func:`main` turns
