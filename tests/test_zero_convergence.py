@@ -9,9 +9,9 @@ a run that lags by a few steps looks several percent worse. Longer runs (300+
 steps) are ``qcoll-bench train``'s job (bench/RESULTS.md).
 
 4-bit weights use blocks of 128 instead of the default 256: with only 7 levels per
-sign the step is absmax/7, and on this model 256-element blocks (which also mix
-neighbouring parameters of the flat buffer) left the run 7% behind at step 120
-on the project's machine, while 128 is on par. 8-bit weights use the default.
+sign the step is absmax/7, and on this model 256-element blocks left the 4/4 run
+7% behind at step 120 on the project's machine, while 128 is on par (figures in
+bench/RESULTS.md). 8-bit weights use the default.
 """
 import pytest
 import torch
