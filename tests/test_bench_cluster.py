@@ -292,3 +292,21 @@ def test_ctrl_c_tears_down():
     assert p.returncode == 130, stderr
     assert "interrupted" in stderr
     assert not _cluster_namespaces(p.pid)
+
+
+@needs_netns
+def test_delay_uses_netem_or_refuses_clearly():
+    """--delay needs sch_netem: with it the node side gets netem above tbf, without it a one-line refusal."""
+    net = netns.Network(2, netns.parse_rate("10mbit"), 0.002)
+    try:
+        net.create()
+    except netns.ClusterError as e:
+        assert "netem" in str(e) and "without --delay" in str(e)
+    else:
+        shaped = net.qdiscs()
+        node_side = shaped[f"{net.namespaces[0]}/{net.ifname}"]
+        assert "netem" in node_side and "delay 2ms" in node_side and "tbf" in node_side, node_side
+        assert "netem" not in shaped[f"{net.hub}/v0"]
+    finally:
+        assert net.destroy() == []
+    assert not [ns for ns in netns.list_namespaces() if ns.startswith(net.tag)]
