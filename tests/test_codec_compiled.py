@@ -5,14 +5,15 @@ import torch
 from qcoll.quant import compiled, reference
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_compiled_fast_path_matches_eager(monkeypatch, bits):
-    n = compiled.MIN_NUMEL + 77
+@pytest.mark.parametrize("bits,rows", [(8, 1), (6, 1), (4, 1), (2, 1), (4, 2), (8, 2)])
+def test_compiled_fast_path_matches_eager(monkeypatch, bits, rows):
+    n = compiled.MIN_NUMEL // rows + 77
     g = torch.Generator().manual_seed(bits)
-    x = torch.randn(1, n, generator=g) * torch.logspace(-3, 3, n).unsqueeze(0)
+    x = torch.randn(rows, n, generator=g) * torch.logspace(-3, 3, n).unsqueeze(0)
     x[0, 256:512] = 0
     x[0, 1024 + 5] = float("nan")
     x[0, 4096 + 9] = float("-inf")
+    assert compiled.enabled(x.device, x.numel())
     fast = reference.quantize_rows(x, bits, 256)
     assert not compiled._broken
     fast_deq = reference.dequantize_rows(fast, n, bits, 256, torch.float32)
