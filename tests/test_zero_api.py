@@ -96,9 +96,24 @@ def _units_by_class(rank, world):
     from qcoll.bench.transformer import Block
     topo = qcoll.Topology(2)
     m = zero.shard(tiny_model(0), topo, units=[Block])
-    return [g.name for g in m.groups]
+    by_class = [g.name for g in m.groups]
+    model = tiny_model(0)
+    with pytest.raises(ValueError, match=r"unit blocks is a ModuleList.*never called"):
+        zero.shard(model, topo, units=[model.blocks])
+    x = torch.randint(0, 256, (2, model.cfg.context), generator=torch.Generator().manual_seed(rank))
+    losses = []
+    for units in (None, "explicit"):
+        model = tiny_model(0)
+        m = zero.shard(model, topo, zero.ZeroConfig.zero3(), units=model.units() if units else None)
+        loss = m(x, x)
+        loss.backward()
+        losses.append(float(loss))
+    return by_class, [g.name for g in zero.shard(tiny_model(0), topo).groups], losses
 
 
 def test_units_by_module_class(ranks4):
-    names = ranks4.run(_units_by_class, timeout=60)[0]
-    assert names == ["<root>", "blocks.0", "blocks.1"]
+    by_class, default, losses = ranks4.run(_units_by_class, timeout=60)[0]
+    assert by_class == ["<root>", "blocks.0", "blocks.1"]
+    # the default descends into the ModuleList of blocks (a ModuleList is never called)
+    assert default == ["<root>", "embed", "blocks.0", "blocks.1", "ln_f"]
+    assert losses[0] == losses[1]  # same model, same units: the same unquantized loss

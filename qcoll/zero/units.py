@@ -22,13 +22,33 @@ class Unit:
         return self.path or "<root>"
 
 
+#: Containers whose ``forward`` is never called: hooks on them would never fire.
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+def _default_units(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """Each direct child with parameters; a container child (``ModuleList`` of blocks)
+    is replaced by its own children, recursively. A ``ParameterList``/``ParameterDict``
+    child is left to its parent's unit."""
+    chosen = []
+    for name, child in module.named_children():
+        path = prefix + name
+        if not any(True for _ in child.parameters()) or isinstance(child, (nn.ParameterList, nn.ParameterDict)):
+            continue
+        if isinstance(child, CONTAINERS):
+            chosen += _default_units(child, path + ".")
+        else:
+            chosen.append((path, child))
+    return chosen
+
+
 def select_units(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
-    """``units``: None (each direct child with parameters), a list of submodules, or a
-    list/tuple of module classes (every submodule of those types)."""
+    """``units``: None (each direct child with parameters, containers such as a
+    ``ModuleList`` replaced by their elements), a list of submodules, or a list/tuple
+    of module classes (every submodule of those types)."""
     paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
     if units is None:
-        chosen = [(name, child) for name, child in model.named_children()
-                  if any(True for _ in child.parameters())]
+        chosen = _default_units(model)
     else:
         if isinstance(units, (nn.Module, type)):
             units = [units]
@@ -51,6 +71,9 @@ def select_units(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
             if not any(isinstance(m, classes) for _, m in chosen):
                 raise ValueError(f"units: the model has no submodule of type {[c.__name__ for c in classes]}")
         for name, m in chosen:
+            if isinstance(m, CONTAINERS):
+                raise ValueError(f"units: the unit {name or '<root>'} is a {type(m).__name__}, whose forward is "
+                                 "never called (its hooks would never gather it); name its elements instead")
             if not any(True for _ in m.parameters()):
                 raise ValueError(f"units: the unit {name or '<root>'} ({type(m).__name__}) has no parameters")
     seen, out = set(), []
