@@ -8,6 +8,7 @@ allocated by the caller-facing functions in :mod:`qcoll.bindings.ops`.
 from __future__ import annotations
 
 import threading
+import warnings
 
 import numpy as np
 import torch
@@ -21,6 +22,8 @@ MAX_GRID = 1 << 20  # the kernels grid-stride beyond this
 
 _modules: dict[tuple[int, str], object] = {}
 _functions: dict[tuple[int, str], object] = {}
+_streams: dict[tuple[int, int], object] = {}
+MAX_STREAMS = 64
 _lock = threading.Lock()
 
 DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -57,14 +60,48 @@ def get_kernel(name: str, device: torch.device):
     return fn
 
 
+def cupy_stream(index: int, ptr: int):
+    """The CuPy handle of the CUDA stream ``ptr`` on device ``index``, built once per stream.
+
+    A handle only names the stream (CuPy never destroys it), so a pointer that a new torch
+    stream reuses maps to the right stream; the cache is cleared past ``MAX_STREAMS`` entries.
+    """
+    key = (index, ptr)
+    stream = _streams.get(key)
+    if stream is None:
+        cp = _cupy()
+        external = getattr(cp.cuda, "ExternalStream", None)
+        if external is None:  # a CuPy after the deprecation (14.0) removed it
+            stream = cp.cuda.Stream.from_external(_StreamHandle(ptr))
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                stream = external(ptr, index)
+        if len(_streams) >= MAX_STREAMS:
+            _streams.clear()
+        _streams[key] = stream
+    return stream
+
+
+class _StreamHandle:
+    """A bare stream pointer speaking the CUDA stream protocol."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
 def _launch(name: str, device: torch.device, work_items: int, per_cta: int, args) -> None:
     if work_items <= 0:
         return
     cp = _cupy()
     grid = max(1, min(-(-work_items // per_cta), MAX_GRID))
     kernel = get_kernel(name, device)
-    with cp.cuda.Device(device.index):
-        stream = cp.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = cupy_stream(index, torch.cuda.current_stream(device).cuda_stream)
+    with cp.cuda.Device(index):
         kernel((grid,), (THREADS,), tuple(args), stream=stream)  # CuPy raises on launch errors
 
 
