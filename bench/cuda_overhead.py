@@ -1,10 +1,12 @@
 """Per-call cost of the CUDA codec path on a small tensor, layer by layer (needs a GPU).
 
-Run: python bench/cuda_overhead.py [--numel 4096] [--calls 2000]
+Run: python bench/cuda_overhead.py [--numel 4096] [--calls 2000] [--device cpu]
 For each layer, from the bare kernel launch up to the public ``qcoll.quantize``,
 prints the host microseconds per call (``calls`` calls queued back to back, one
 synchronize at the end: what a training step pays per collective) next to
 ``Tensor.copy_`` of the same tensor, measured the same way in the same run.
+``--device cpu`` measures the layers that exist there (the ops run the torch reference on
+CPU tensors), which shows the custom-op dispatcher's own cost without a GPU.
 """
 from __future__ import annotations
 
@@ -18,14 +20,14 @@ from qcoll.bindings import launch, ops
 from qcoll.quant import rows
 
 
-def per_call_us(fn, calls: int) -> float:
+def per_call_us(fn, calls: int, sync) -> float:
     for _ in range(20):
         fn()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - t0) / calls * 1e6
 
 
@@ -33,9 +35,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--numel", type=int, default=4096)
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     a = ap.parse_args()
     n, bits, block = a.numel, 8, 256
-    x = torch.randn(1, n, device="cuda")
+    cuda = a.device == "cuda"
+    x = torch.randn(1, n, device=a.device)
     dst = torch.empty_like(x)
     out = ops.quantize_rows(x, bits, block)
     deq = torch.empty_like(x)
@@ -43,6 +47,7 @@ def main():
     layers = [
         ("Tensor.copy_ (baseline)", lambda: dst.copy_(x)),
         ("launch.quantize_rows_into", lambda: launch.quantize_rows_into(x, out, bits, block, False, 0, 0)),
+        ("ops implementation (quantize)", lambda: ops._quantize_rows_impl(x, bits, block, False, 0, 0)),
         ("ops custom op (quantize)", lambda: ops._quantize_rows_op(x, bits, block, False, 0, 0)),
         ("ops.quantize_rows (checked)", lambda: ops.quantize_rows(x, bits, block)),
         ("rows.quantize_rows (dispatch)", lambda: rows.quantize_rows(x, bits, block)),
@@ -51,11 +56,15 @@ def main():
         ("rows.dequantize_rows (dispatch)", lambda: rows.dequantize_rows(out, n, bits, block, torch.float32)),
         ("qcoll.dequantize (public, out=)", lambda: qcoll.dequantize(packed, out=deq.reshape(-1))),
     ]
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {n} fp32 elements, {bits}-bit/{block}")
+    if not cuda:
+        layers = [(name, fn) for name, fn in layers if not name.startswith("launch.")]
+    where = torch.cuda.get_device_name() if cuda else "CPU"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    print(f"torch {torch.__version__}, {where}, {n} fp32 elements, {bits}-bit/{block}")
     print(f"{'layer':<34} {'us/call':>8} {'vs copy_':>8}")
     base = None
     for name, fn in layers:
-        us = per_call_us(fn, a.calls)
+        us = per_call_us(fn, a.calls, sync)
         base = base or us
         print(f"{name:<34} {us:>8.1f} {us / base:>8.2f}")
 
