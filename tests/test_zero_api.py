@@ -117,3 +117,41 @@ def test_units_by_module_class(ranks4):
     # the default descends into the ModuleList of blocks (a ModuleList is never called)
     assert default == ["<root>", "embed", "blocks.0", "blocks.1", "ln_f"]
     assert losses[0] == losses[1]  # same model, same units: the same unquantized loss
+
+
+def _released_parameters(rank, world):
+    topo = qcoll.Topology(2)
+    model = tiny_model(0)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    m = zero.shard(model, topo)
+    seen = {}
+    block = model.blocks[0]
+    block.register_forward_pre_hook(  # runs after the engine's own pre-hook has gathered the unit
+        lambda mod, args: seen.update({n: tuple(p.shape) for n, p in mod.named_parameters()}))
+    opt = zero.Optimizer(m, torch.optim.SGD, lr=0.1)
+    x = torch.randint(0, 256, (2, model.cfg.context), generator=torch.Generator().manual_seed(rank))
+    loss = m(x, x)
+    loss.backward()
+    opt.step()
+    released = {n: (p.numel(), p.dtype, p.device.type, repr(p).startswith("Parameter containing"))
+                for n, p in model.named_parameters()}
+    full = m.state_dict()
+    with torch.no_grad():
+        before = float(m(x, x))
+        m.load_state_dict(full)
+        again = float(m(x, x))
+    after = m.state_dict()
+    return shapes, seen, released, {k: tuple(v.shape) for k, v in full.items()}, \
+        all(torch.equal(full[k], after[k]) for k in full), (before, again)
+
+
+def test_released_parameters_are_empty_not_dangling(ranks4):
+    """Outside forward/backward a parameter is an empty tensor (reading it once crashed the
+    process: its view pointed into freed storage); inside its unit's forward it has its shape."""
+    for shapes, seen, released, full_shapes, round_trip, (before, again) in ranks4.run(_released_parameters,
+                                                                                      timeout=90):
+        assert seen == {n[len("blocks.0."):]: s for n, s in shapes.items() if n.startswith("blocks.0.")}
+        assert released == {n: (0, torch.float32, "cpu", True) for n in shapes}
+        assert {k: v for k, v in full_shapes.items() if k in shapes} == shapes
+        assert round_trip  # loading the full state dict gives back the same state
+        assert again == before and again == again  # and the same (finite) loss

@@ -6,9 +6,14 @@ Layout: the parameters are concatenated (row-major, in registration order) into
 ``Shard(0)`` of length ``total`` (so checkpoints reshard across world sizes).
 The tail of the last shards is zero padding; it stays zero (its gradient is 0).
 
-The module's parameters keep their identity (tied weights, user references); their
-``.data`` are views into ``full``, a ``world * S`` buffer in the compute dtype that
-exists only while the group is gathered (its storage is resized to 0 otherwise).
+The module's parameters keep their identity (tied weights, user references). While
+the group is gathered their ``.data`` are views into ``full``, a ``world * S`` buffer
+in the compute dtype; otherwise ``full``'s storage is resized to 0 and each
+parameter's ``.data`` is an empty tensor (numel 0, the compute dtype, the device), as
+FSDP's ``use_orig_params`` does: reading a released parameter gives an empty tensor
+or a shape error, never memory that is gone. Autograd's saved views of ``full`` (and
+the parameters themselves, which it saves as they are) see the values again once the
+backward pass has gathered the group.
 """
 from __future__ import annotations
 
@@ -47,8 +52,10 @@ class FlatGroup:
         self.master = nn.Parameter(full[r * S:(r + 1) * S].clone(), requires_grad=self.trainable)
         del full
         self.full = torch.empty(W * S, dtype=config.dtype, device=self.master.device)
-        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
-            p.data = self.full[off:off + n].view(shape)
+        self.views = [self.full[off:off + n].view(shape)
+                      for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
+        self.released = self.full.new_empty(0)
+        self.viewing = False         # the parameters' .data are the views (else `released`)
         self._free_storage()
         self.secondary = SecondaryShard(topology) if config.hpz else None
         self.gathered = False
@@ -63,9 +70,16 @@ class FlatGroup:
         nbytes = self.full.numel() * self.full.element_size()
         if self.full.untyped_storage().nbytes() != nbytes:
             self.full.untyped_storage().resize_(nbytes)
+        if not self.viewing:
+            for p, view in zip(self.params, self.views):
+                p.data = view
+            self.viewing = True
 
     def _free_storage(self) -> None:
         self.full.untyped_storage().resize_(0)
+        for p in self.params:
+            p.data = self.released
+        self.viewing = False
 
     # ------------------------------------------------------------------ gather
     def start_gather(self, backward: bool) -> None:

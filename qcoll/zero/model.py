@@ -116,9 +116,14 @@ class ShardedModel(nn.Module):
             if key not in state_dict:
                 continue
             value = state_dict[key]
-            if tuple(value.shape) != tuple(target.shape):
-                raise ValueError(f"state_dict[{key!r}] has shape {tuple(value.shape)}, "
-                                 f"the model expects {tuple(target.shape)}")
+            if id(target) in managed:  # a released parameter is empty: its shape is the group's record
+                g, i = managed[id(target)]
+                shape = g.shapes[i]
+            else:
+                shape = target.shape
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"state_dict[{key!r}] has shape {got}, the model expects {tuple(shape)}")
             if id(target) in managed:
                 g, i = managed[id(target)]
                 full = fulls.setdefault(g.index, torch.zeros(g.topology.world_size * g.shard_numel))
@@ -143,8 +148,9 @@ def shard(model: nn.Module, topology: Topology | None = None, config: ZeroConfig
     module classes); parameters outside every unit form a root unit. With
     ``sync_module_states`` rank 0's initial values are broadcast.
 
-    The model's parameters are taken over in place (their storage is freed between
-    uses); use the returned :class:`ShardedModel` and :class:`qcoll.zero.Optimizer`.
+    The model's parameters are taken over in place: outside their unit's forward and
+    backward they are empty tensors (numel 0; read values with ``state_dict()``); use
+    the returned :class:`ShardedModel` and :class:`qcoll.zero.Optimizer`.
     Call on every rank.
     """
     if not isinstance(model, nn.Module):
