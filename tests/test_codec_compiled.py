@@ -5,22 +5,39 @@ import torch
 from qcoll.quant import compiled, reference
 
 
-@pytest.mark.parametrize("bits,rows", [(8, 1), (6, 1), (4, 1), (2, 1), (4, 2), (8, 2)])
-def test_compiled_fast_path_matches_eager(monkeypatch, bits, rows):
-    n = compiled.MIN_NUMEL // rows + 77
+def _same(a, b):
+    return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+
+
+@pytest.mark.parametrize("bits,rows,block,dtype", [
+    (8, 1, 256, torch.float32), (6, 1, 256, torch.float32), (4, 1, 256, torch.float32),
+    (2, 1, 256, torch.float32), (4, 2, 128, torch.bfloat16), (8, 2, 128, torch.float16),
+    (6, 3, 64, torch.bfloat16),
+])
+def test_compiled_fast_path_matches_eager(monkeypatch, bits, rows, block, dtype):
+    n = compiled.MIN_NUMEL // rows + 77  # a partial last block
     g = torch.Generator().manual_seed(bits)
     x = torch.randn(rows, n, generator=g) * torch.logspace(-3, 3, n).unsqueeze(0)
     x[0, 256:512] = 0
     x[0, 1024 + 5] = float("nan")
-    x[0, 4096 + 9] = float("-inf")
+    x[-1, 4096 + 9] = float("-inf")
     assert compiled.enabled(x.device, x.numel())
-    fast = reference.quantize_rows(x, bits, 256)
+    fast = reference.quantize_rows(x, bits, block)
+    fast_deq = reference.dequantize_rows(fast, n, bits, block, dtype)
+    into = torch.full((rows, 2 * n), 7.0, dtype=dtype)[:, ::2]  # a strided out
+    reference.dequantize_rows_into(fast, n, bits, block, into)
     assert not compiled._broken
-    fast_deq = reference.dequantize_rows(fast, n, bits, 256, torch.float32)
     monkeypatch.setenv("QCOLL_COMPILE", "0")
     assert not compiled.enabled(x.device, x.numel())
-    eager = reference.quantize_rows(x, bits, 256)
-    eager_deq = reference.dequantize_rows(eager, n, bits, 256, torch.float32)
+    eager = reference.quantize_rows(x, bits, block)
+    eager_deq = reference.dequantize_rows(eager, n, bits, block, dtype)
     assert torch.equal(fast, eager)
-    assert torch.equal(torch.isnan(fast_deq), torch.isnan(eager_deq))
-    assert torch.equal(torch.nan_to_num(fast_deq), torch.nan_to_num(eager_deq))
+    assert fast_deq.dtype == dtype and _same(fast_deq, eager_deq) and _same(into, eager_deq)
+    # eager's own conversion: the fp32 values rounded to the output dtype
+    assert _same(eager_deq, reference.dequantize_rows(eager, n, bits, block, torch.float32).to(dtype))
+
+
+def test_dequantize_into_rejects_a_wrong_out_shape():
+    buf = reference.quantize_rows(torch.randn(2, 100), 8, 64)
+    with pytest.raises(ValueError, match=r"out must have shape \(2, 100\)"):
+        reference.dequantize_rows_into(buf, 100, 8, 64, torch.empty(2, 99))

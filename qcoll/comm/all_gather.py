@@ -64,7 +64,7 @@ def all_gather_quantized(
         if secondary is not None:
             secondary.keep(shards)
         if bits is not None:
-            output.view(size, n).copy_(rows.dequantize_rows(shards, n, bits, block_size, output.dtype))
+            rows.dequantize_rows_into(shards, n, bits, block_size, output.view(size, n))
         return output
 
     return finish(complete, async_op)

@@ -79,8 +79,7 @@ def replica_gather(output: torch.Tensor, secondary: SecondaryShard, async_op: bo
         work.wait()
         if secondary.bits is not None:
             shards = recv.view(t.world_size, -1)
-            deq = rows.dequantize_rows(shards, n, secondary.bits, secondary.block_size, output.dtype)
-            output.view(t.world_size, n).copy_(deq)
+            rows.dequantize_rows_into(shards, n, secondary.bits, secondary.block_size, output.view(t.world_size, n))
         return output
 
     return finish(complete, async_op)

@@ -94,11 +94,14 @@ def dequantize(packed: Packed, out: torch.Tensor | None = None, dtype: torch.dty
             raise TypeError(f"dtype={dtype} contradicts out.dtype={out.dtype}")
         if out.device != packed.data.device:
             raise ValueError(f"out is on {out.device} but packed.data is on {packed.data.device}")
-    target = out.dtype if out is not None else (dtype or packed.dtype)
-    flat = rows.dequantize_rows(packed.data.reshape(1, -1), packed.numel, packed.bits, packed.block_size, target)
+    buf = packed.data.reshape(1, -1)
     if out is None:
+        flat = rows.dequantize_rows(buf, packed.numel, packed.bits, packed.block_size, dtype or packed.dtype)
         return flat.reshape(packed.shape)
-    out.copy_(flat.reshape(out.shape))
+    if out.is_contiguous():
+        rows.dequantize_rows_into(buf, packed.numel, packed.bits, packed.block_size, out.view(1, -1))
+    else:
+        out.copy_(rows.dequantize_rows(buf, packed.numel, packed.bits, packed.block_size, out.dtype).view(out.shape))
     return out
 
 

@@ -44,27 +44,37 @@ def _quantize_blocks(xb: torch.Tensor, qmaxv: float, bits: int):
     return codes, bits_.view(torch.uint8).reshape(xb.shape[0], -1), tiny
 
 
-def _scale_codes(q: torch.Tensor, scales: torch.Tensor, block_size: int):
-    if q.dtype == torch.uint8:   # 8-bit codes: unpacking is a view
-        q = q.view(torch.int8)
-    v = q.reshape(*q.shape[:-1], -1, block_size).to(torch.float32) * scales.unsqueeze(-1)
-    return v.clamp(-fmt.FLT_MAX, fmt.FLT_MAX).reshape(*q.shape[:-1], -1)
+def scale_into(q3: torch.Tensor, scales: torch.Tensor, out3: torch.Tensor) -> torch.Tensor:
+    """int8 codes ``[rows, nb, w]`` x fp32 scales ``[rows, nb]`` -> ``out3`` (any float dtype),
+    saturated to the fp32 range. ``w`` is the block size (or a last block's length)."""
+    v = q3.to(torch.float32) * scales.unsqueeze(-1)
+    return out3.copy_(v.clamp(-fmt.FLT_MAX, fmt.FLT_MAX))
 
 
 # Sub-byte packing and unpacking are compiled as graphs of their own: fused with
-# the quantization or scaling loop, inductor's CPU code for the strided byte
-# gathers was 4-8x slower than the two loops run one after the other (64 MiB fp32,
-# 2 cores: 4-bit quantize+pack 0.052 s fused, 0.007 s split).
+# the quantization or scaling loop, inductor's CPU code for the byte shuffles was
+# 4-8x slower than the two loops run one after the other (64 MiB fp32, 2 cores:
+# 4-bit quantize+pack 0.052 s fused, 0.007 s split). The scaling loop sees the
+# block size as a static dimension (``mark_static``): with a symbolic one inductor
+# computed every element's block with a division and ran 20x slower.
 @functools.lru_cache(maxsize=None)
 def _compiled(name: str):
-    fn = {"quantize": _quantize_blocks, "pack": pack_codes, "unpack": unpack_codes, "scale": _scale_codes}[name]
+    fn = {"quantize": _quantize_blocks, "pack": pack_codes, "unpack": unpack_codes, "scale": scale_into}[name]
     return torch.compile(fn, dynamic=True)
+
+
+def _recompile_limit() -> dict:
+    """A limit above the graphs' variants (bits x block sizes x output dtypes), so that a
+    process using many never falls back to eager for the compiled functions."""
+    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    return {name: max(64, getattr(torch._dynamo.config, name))}
 
 
 def _call(name, *args):
     global _broken
     try:
-        return _compiled(name)(*args)
+        with torch._dynamo.config.patch(**_recompile_limit()):
+            return _compiled(name)(*args)
     except Exception as e:  # a compiler problem must never break the codec
         _broken = True
         warnings.warn(f"qcoll: torch.compile fast path disabled ({type(e).__name__}: {e}); using eager reference")
@@ -80,7 +90,23 @@ def quantize_blocks(xb: torch.Tensor, bits: int):
     return None if codes is None else (codes, *out[1:])
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int):
-    """Packed codes ``[rows, k]`` and fp32 scales ``[rows, nb]`` -> fp32 ``[rows, nb*block]`` or None."""
-    q = codes if bits == 8 else _call("unpack", codes, bits)
-    return None if q is None else _call("scale", q, scales, block_size)
+def dequantize_into(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
+                    out: torch.Tensor) -> bool:
+    """Packed codes ``[rows, k]``, fp32 scales ``[rows, nb]`` -> ``out`` ``[rows, n]``
+    (``n > (nb-1)*block_size``, the last dimension contiguous). False on a compiler failure."""
+    q = codes.view(torch.int8) if bits == 8 else _call("unpack", codes, bits)
+    if q is None:
+        return False
+    rows, n = out.shape
+    full = n // block_size
+    if full:
+        q3 = q[:, : full * block_size].view(rows, full, block_size)
+        out3 = out[:, : full * block_size].view(rows, full, block_size)
+        for t in (q3, out3):
+            torch._dynamo.mark_static(t, 2)
+        if _call("scale", q3, scales[:, :full], out3) is None:
+            return False
+    if n > full * block_size:  # the last, partial block: small, eager
+        scale_into(q[:, full * block_size: n].unsqueeze(1), scales[:, full: full + 1],
+                   out[:, full * block_size:].unsqueeze(1))
+    return True

@@ -76,23 +76,43 @@ def split_rows(buf: torch.Tensor, n: int, bits: int, block_size: int):
     return codes, scales
 
 
+def dequantize_rows_into(buf: torch.Tensor, n: int, bits: int, block_size: int, out: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., packed_nbytes(n)]`` -> ``out`` ``[..., n]`` (fp32, bf16 or fp16), values
+    saturated to the fp32 range, converted to ``out``'s dtype; returns ``out``."""
+    lead = buf.shape[:-1]
+    if tuple(out.shape) != (*lead, n):
+        raise ValueError(f"out must have shape {(*lead, n)}, got {tuple(out.shape)}")
+    if out.numel() == 0:
+        return out
+    if not out.is_contiguous():
+        return out.copy_(dequantize_rows_fp32(buf, n, bits, block_size))
+    codes, scales = split_rows(buf, n, bits, block_size)
+    codes = codes.reshape(-1, codes.shape[-1])
+    scales = scales.reshape(codes.shape[0], -1)
+    flat = out.view(codes.shape[0], n)
+    if compiled.enabled(buf.device, flat.numel()) and compiled.dequantize_into(codes, scales, bits, block_size, flat):
+        return out
+    q = unpack_codes(codes, bits)
+    full = n // block_size
+    if full:
+        compiled.scale_into(q[:, : full * block_size].view(-1, full, block_size), scales[:, :full],
+                            flat[:, : full * block_size].view(-1, full, block_size))
+    if n > full * block_size:
+        compiled.scale_into(q[:, full * block_size: n].unsqueeze(1), scales[:, full: full + 1],
+                            flat[:, full * block_size:].unsqueeze(1))
+    return out
+
+
 def dequantize_rows_fp32(buf: torch.Tensor, n: int, bits: int, block_size: int) -> torch.Tensor:
     """uint8 ``[..., packed_nbytes(n)]`` -> saturated fp32 values ``[..., n]``."""
-    lead = buf.shape[:-1]
-    codes, scales = split_rows(buf, n, bits, block_size)
-    if compiled.enabled(buf.device, n * buf[..., :1].numel()):
-        fast = compiled.dequantize(codes, scales, bits, block_size)
-        if fast is not None:
-            return fast[..., :n]
-    q = unpack_codes(codes, bits).reshape(*lead, -1, block_size)
-    v = q.to(torch.float32) * scales.unsqueeze(-1)
-    v = v.clamp_(-fmt.FLT_MAX, fmt.FLT_MAX)
-    return v.reshape(*lead, -1)[..., :n]
+    out = torch.empty(*buf.shape[:-1], n, dtype=torch.float32, device=buf.device)
+    return dequantize_rows_into(buf, n, bits, block_size, out)
 
 
 def dequantize_rows(buf: torch.Tensor, n: int, bits: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
     """uint8 ``[rows, packed_nbytes(n)]`` -> ``[rows, n]`` in ``dtype``."""
-    return dequantize_rows_fp32(buf, n, bits, block_size).to(dtype)
+    out = torch.empty(*buf.shape[:-1], n, dtype=dtype, device=buf.device)
+    return dequantize_rows_into(buf, n, bits, block_size, out)
 
 
 def swizzle_quantize(

@@ -23,6 +23,17 @@ def dequantize_rows(buf, n, bits, block_size, dtype) -> torch.Tensor:
     return reference.dequantize_rows(buf, n, bits, block_size, dtype)
 
 
+def dequantize_rows_into(buf, n, bits, block_size, out) -> torch.Tensor:
+    """Like :func:`dequantize_rows`, written into ``out`` ``[rows, n]`` (its dtype); returns ``out``.
+
+    On CPU the values are written straight into ``out``; the CUDA path still dequantizes into
+    a fresh tensor and copies (the kernel can write into ``out``: not yet wired, see RESULTS.md).
+    """
+    if use_cuda(buf):
+        return out.copy_(kernels().dequantize_rows(buf, n, bits, block_size, out.dtype))
+    return reference.dequantize_rows_into(buf, n, bits, block_size, out)
+
+
 def swizzle_quantize(x, nodes, local, bits, block_size, stochastic=False, seed=0, offset=0) -> torch.Tensor:
     if use_cuda(x):
         return kernels().swizzle_quantize(x, nodes, local, bits, block_size, stochastic, seed, offset)
