@@ -2,7 +2,9 @@
 
 Run: python bench/codec_throughput.py [--device cpu|cuda] [--mib 64] [--repeat 5] [--bits 8 4]
 Prints the median seconds and GB/s (input fp32 bytes / time) of each, and the
-ratio to copy_ measured in the same run. On CPU it times the torch reference
+ratio to copy_ measured in the same run. Dequantize is timed twice: returning a
+fresh tensor (whose pages the OS must fault in and zero, which copy_ into an
+existing tensor never pays) and into an existing ``out``, as the collectives use it. On CPU it times the torch reference
 (its torch.compile'd path included); on CUDA the kernels that qcoll.quant.rows
 dispatches to (CUDA events, after a warm-up that compiles them), plus the qgZ
 kernels (swizzle+quantize, reduce+requantize of 4 inputs).
@@ -18,22 +20,29 @@ import torch
 from qcoll.quant import reference, rows
 
 
-def median_time(fn, repeat, device):
+def _once(fn, device) -> float:
+    if device == "cuda":
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop) / 1e3
+    t0 = time.perf_counter()
     fn()
-    ts = []
+    return time.perf_counter() - t0
+
+
+def side_by_side(fn, baseline, repeat, device):
+    """Median seconds of ``fn`` and of ``baseline``, run alternately (so that the machine's
+    drift, large on a shared 2-core VM, hits both alike)."""
+    fn()
+    baseline()
+    ts, tb = [], []
     for _ in range(repeat):
-        if device == "cuda":
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            ts.append(start.elapsed_time(stop) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+        ts.append(_once(fn, device))
+        tb.append(_once(baseline, device))
+    return statistics.median(ts), statistics.median(tb)
 
 
 def main():
@@ -48,33 +57,33 @@ def main():
     n = a.mib * 2**20 // 4
     x = torch.randn(1, n, device=dev)
     dst = torch.empty_like(x)
-    t_copy = median_time(lambda: dst.copy_(x), a.repeat, dev)
+    copy = lambda: dst.copy_(x)  # noqa: E731
     nbytes = x.numel() * 4
     where = torch.cuda.get_device_name() if dev == "cuda" else f"threads {torch.get_num_threads()}"
     print(f"torch {torch.__version__}, {dev} ({where}), {a.mib} MiB fp32")
-    print(f"{'op':<34} {'median s':>9} {'GB/s':>7} {'vs copy_':>8}")
+    print(f"{'op':<34} {'median s':>9} {'GB/s':>7} {'copy_ s':>8} {'vs copy_':>8}")
+    out = torch.empty_like(x)  # dequantize's out= (not copy_'s dst)
 
-    def line(name, t):
-        print(f"{name:<34} {t:>9.5f} {nbytes / t / 1e9:>7.2f} {t_copy / t:>8.2f}")
+    def line(name, fn):
+        t, t_copy = side_by_side(fn, copy, a.repeat, dev)
+        print(f"{name:<34} {t:>9.5f} {nbytes / t / 1e9:>7.2f} {t_copy:>8.5f} {t_copy / t:>8.2f}")
 
-    line("copy_", t_copy)
+    line("copy_", copy)
     for bits in a.bits:
         for block in (256, 128):
             q = codec.quantize_rows(x, bits, block)
-            line(f"quantize+pack {bits}b/{block}",
-                 median_time(lambda: codec.quantize_rows(x, bits, block), a.repeat, dev))
+            line(f"quantize+pack {bits}b/{block}", lambda: codec.quantize_rows(x, bits, block))
             line(f"unpack+dequantize {bits}b/{block}",
-                 median_time(lambda: codec.dequantize_rows(q, n, bits, block, torch.float32), a.repeat, dev))
+                 lambda: codec.dequantize_rows(q, n, bits, block, torch.float32))
+            line(f"  the same into out= {bits}b/{block}", lambda: codec.dequantize_rows_into(q, n, bits, block, out))
             if dev != "cuda":
                 continue
-            line(f"stochastic quantize {bits}b/{block}",
-                 median_time(lambda: codec.quantize_rows(x, bits, block, True, 7, 0), a.repeat, dev))
+            line(f"stochastic quantize {bits}b/{block}", lambda: codec.quantize_rows(x, bits, block, True, 7, 0))
             xs = x.reshape(-1)
-            line(f"swizzle+quantize 2x4 {bits}b/{block}",
-                 median_time(lambda: codec.swizzle_quantize(xs, 2, 4, bits, block), a.repeat, dev))
+            line(f"swizzle+quantize 2x4 {bits}b/{block}", lambda: codec.swizzle_quantize(xs, 2, 4, bits, block))
             bufs = torch.stack([q] * 4)  # 4 inputs, each the size of the whole tensor
             line(f"reduce+requantize k=4 {bits}b/{block}",
-                 median_time(lambda: codec.reduce_requantize(bufs, n, bits, block, bits, block), a.repeat, dev))
+                 lambda: codec.reduce_requantize(bufs, n, bits, block, bits, block))
 
 
 if __name__ == "__main__":
