@@ -1,7 +1,14 @@
 """Shared inputs for the CUDA kernel / host helper tests: random rows with the awkward blocks."""
 from __future__ import annotations
 
+import pytest
 import torch
+
+#: ``pytestmark`` of the tests that need a GPU: marked ``cuda``, skipped with the reason without one.
+NEEDS_GPU = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
+]
 
 BITS = (8, 6, 4, 2)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -4,14 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuda_testdata import BITS, DTYPES, awkward_rows
+from cuda_testdata import BITS, DTYPES, NEEDS_GPU, awkward_rows
 from qcoll.quant import format as fmt
 from qcoll.quant import reference
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
-]
+pytestmark = NEEDS_GPU
 
 
 @pytest.fixture(scope="module")

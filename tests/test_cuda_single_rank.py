@@ -18,11 +18,9 @@ import torch
 import torch.distributed as dist
 
 import qcoll
+from cuda_testdata import BITS, NEEDS_GPU, awkward_rows
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
-]
+pytestmark = NEEDS_GPU
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +103,6 @@ def test_zero_training_on_cuda_tracks_cpu(topo):
 
 def test_reference_on_cuda_matches_cpu(monkeypatch):
     """QCOLL_BACKEND=reference runs the torch reference on CUDA tensors, with the CPU's bytes."""
-    from cuda_testdata import BITS, awkward_rows
     from qcoll.quant import reference, rows
 
     monkeypatch.setenv("QCOLL_BACKEND", "reference")
