@@ -128,3 +128,36 @@ def test_empty(ops):
     x = torch.zeros(0, 100, device="cuda")
     assert ops.quantize_rows(x, 8, 32).shape == (0, fmt.packed_nbytes(100, 8, 32))
     assert ops.quantize_rows(torch.zeros(2, 0, device="cuda"), 8, 32).shape == (2, 0)
+
+
+def test_registered_ops_on_cuda(ops):
+    """The ops themselves (what torch.compile and dispatch modes call, eager calls skip the
+    dispatcher): opcheck's schema/fake/AOT checks on CUDA tensors, and the same bytes as eager."""
+    x = torch.randn(3, 1000, device="cuda")
+    buf = ops.quantize_rows(x, 4, 128)
+    torch.library.opcheck(ops._quantize_rows_op, (x, 4, 128, False, 0, 0))
+    torch.library.opcheck(ops._dequantize_rows_op, (buf, 1000, 4, 128, torch.bfloat16))
+    assert torch.equal(ops._quantize_rows_op(x, 4, 128, False, 0, 0), buf)
+    compiled = torch.compile(lambda t: ops.dequantize_rows(ops.quantize_rows(t, 4, 128), 1000, 4, 128,
+                                                           torch.float32), fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), ops.dequantize_rows(buf, 1000, 4, 128, torch.float32))
+
+
+def test_streams_each_get_their_own_handle(ops):
+    """Launches on two torch streams, interleaved, each land on their own stream (the cached
+    CuPy handles are keyed by the stream, not reused across streams)."""
+    from qcoll.bindings import launch
+
+    x = torch.randn(2, 1 << 16, device="cuda")
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = []
+    for s in streams * 2:
+        with torch.cuda.stream(s):
+            outs.append(ops.quantize_rows(x, 8, 256))
+    torch.cuda.synchronize()
+    ptrs = {(x.device.index, s.cuda_stream) for s in streams}
+    assert ptrs <= set(launch._streams)
+    for key in ptrs:
+        assert launch._streams[key].ptr == key[1]
+    want = reference.quantize_rows(x.cpu(), 8, 256)
+    assert all(torch.equal(o.cpu(), want) for o in outs)
