@@ -72,14 +72,16 @@ def cupy_stream(index: int, ptr: int):
         cp = _cupy()
         external = getattr(cp.cuda, "ExternalStream", None)
         if external is None:  # a CuPy after the deprecation (14.0) removed it
-            stream = cp.cuda.Stream.from_external(_StreamHandle(ptr))
+            with cp.cuda.Device(index):
+                stream = cp.cuda.Stream.from_external(_StreamHandle(ptr))
         else:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
                 stream = external(ptr, index)
-        if len(_streams) >= MAX_STREAMS:
-            _streams.clear()
-        _streams[key] = stream
+        with _lock:
+            if len(_streams) >= MAX_STREAMS:
+                _streams.clear()
+            _streams[key] = stream
     return stream
 
 

@@ -33,11 +33,12 @@ def _register(name: str, impl):
 
 
 def _plain_eager(t: torch.Tensor) -> bool:
-    """True when nothing is tracing or transforming ``t``: a plain tensor, no torch.compile/export,
-    no dispatch or torch-function mode (FakeTensor, make_fx, profilers' modes), no vmap/grad."""
-    return (type(t) in _PLAIN_TYPES and not torch.compiler.is_compiling()
+    """True when nothing is tracing, transforming or profiling ``t``: a plain tensor, no
+    torch.compile/export, no torch.jit.trace, no dispatch or torch-function mode (FakeTensor,
+    make_fx), no vmap/grad transform, no autograd profiler (which should show the op)."""
+    return (type(t) in _PLAIN_TYPES and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
             and _get_current_dispatch_mode() is None and not torch._C._is_torch_function_mode_enabled()
-            and not torch._C._are_functorch_transforms_active())
+            and not torch._C._are_functorch_transforms_active() and not torch.autograd._profiler_enabled())
 
 
 def _dispatch(op, impl, t: torch.Tensor, *args):

@@ -112,3 +112,25 @@ def test_stream_handles_are_built_once_per_stream(monkeypatch):
     for ptr in range(launch.MAX_STREAMS + 5):
         launch.cupy_stream(0, 10_000 + ptr)
     assert len(launch._streams) <= launch.MAX_STREAMS
+
+
+def _round_trip(x):
+    packed = ops.quantize_rows(x, 4, 64, False, 0, 0)
+    return ops.dequantize_rows(packed, 200, 4, 64, torch.float32)  # (under jit.trace shapes are tensors)
+
+
+def test_jit_trace_records_the_ops():
+    x = torch.randn(2, 200, generator=torch.Generator().manual_seed(2))
+    traced = torch.jit.trace(_round_trip, (x,), check_trace=False)
+    graph = str(traced.graph)
+    assert "qcoll::quantize_rows" in graph and "qcoll::dequantize_rows" in graph
+    y = torch.randn(2, 200)
+    assert torch.equal(traced(y), _round_trip(y))
+
+
+def test_profiler_shows_the_ops():
+    x = torch.randn(2, 200)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _round_trip(x)
+    names = {e.key for e in prof.key_averages()}
+    assert {"qcoll::quantize_rows", "qcoll::dequantize_rows"} <= names, sorted(names)
