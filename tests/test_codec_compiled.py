@@ -41,3 +41,19 @@ def test_dequantize_into_rejects_a_wrong_out_shape():
     buf = reference.quantize_rows(torch.randn(2, 100), 8, 64)
     with pytest.raises(ValueError, match=r"out must have shape \(2, 100\)"):
         reference.dequantize_rows_into(buf, 100, 8, 64, torch.empty(2, 99))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("n", [1000, compiled.MIN_NUMEL + 3])
+def test_dequantize_into_out_that_holds_the_packed_bytes(bits, n):
+    """``out`` sharing memory with the packed buffer (decoding in place) gives the exact values."""
+    import qcoll
+
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    packed = qcoll.quantize(x, bits=bits, block_size=64)
+    want = qcoll.dequantize(packed)
+    store = torch.zeros(n)
+    nbytes = packed.nbytes
+    store.view(torch.uint8)[:nbytes].copy_(packed.data)
+    aliased = qcoll.Packed(store.view(torch.uint8)[:nbytes], n, bits, 64, x.shape, x.dtype)
+    assert torch.equal(qcoll.dequantize(aliased, out=store), want)

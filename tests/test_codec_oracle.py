@@ -94,3 +94,23 @@ def test_stochastic_is_reproducible_and_unbiased():
     # each draw's error is within one step (scale) with variance <= scale^2/4, so the mean of
     # 400 draws per element is within 5 standard errors = 5 * scale / (2 * 20) almost surely
     assert float((draws.mean(0) - x).abs().max()) <= 5 * scale / 40
+
+
+def test_bitpack_takes_views_and_names_bad_sizes():
+    """Unaligned and strided inputs pack/unpack like their contiguous copies; sizes that no
+    packed unit fits raise ValueError naming the tensor."""
+    from qcoll.quant.bitpack import pack_codes, unpack_codes
+
+    qmax = {6: 31, 4: 7, 2: 1}  # DESIGN.md: 2**(bits-1) - 1
+    g = torch.Generator().manual_seed(3)
+    for bits in (6, 4, 2):
+        qm = qmax[bits]
+        flat = torch.randint(-qm, qm + 1, (3 * 64 + 1,), dtype=torch.int8, generator=g)
+        q = flat[1:].view(3, 64)  # storage offset 1
+        packed = pack_codes(q, bits)
+        assert torch.equal(packed, pack_codes(q.clone(), bits))
+        assert torch.equal(unpack_codes(packed.t().contiguous().t(), bits), q)  # strided input
+    with pytest.raises(ValueError, match=r"q must have a last dimension that is a multiple of 16"):
+        pack_codes(torch.zeros(20, dtype=torch.int8), 6)
+    with pytest.raises(ValueError, match=r"b must have a last dimension that is a multiple of 3"):
+        unpack_codes(torch.zeros(4, dtype=torch.uint8), 6)

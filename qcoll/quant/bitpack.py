@@ -8,20 +8,36 @@ are little-endian, so code ``j`` of a word is its byte ``j``.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 _BITS = (8, 6, 4, 2)
+if sys.byteorder != "little":  # the dtype views below (and the wire format's fp32 scales) assume it
+    raise ImportError("qcoll's wire format is little-endian; this host is big-endian")
 
 
-def _check(bits: int) -> None:
+def _check(t: torch.Tensor, bits: int, name: str, multiple: int) -> None:
     if bits not in _BITS:
         raise ValueError(f"bits must be one of {_BITS}, got {bits}")
+    if t.dim() < 1 or t.shape[-1] % multiple:
+        raise ValueError(f"{name} must have a last dimension that is a multiple of {multiple} for "
+                         f"{bits}-bit codes, got shape {tuple(t.shape)}")
+
+
+def _aligned(t: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """Contiguous, with a storage offset that a dtype view of ``nbytes``-byte elements accepts."""
+    t = t.contiguous()
+    if torch.compiler.is_compiling():  # traced: the views are functional, and the query would break the graph
+        return t
+    return t.clone() if t.storage_offset() % nbytes else t
 
 
 def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack int8 codes ``[..., m]`` (m a multiple of 16) into uint8 ``[..., m*bits/8]``."""
-    _check(bits)
-    q = q.contiguous()
+    """Pack int8 codes ``[..., m]`` into uint8 ``[..., m*bits/8]`` (m a multiple of the codes
+    in a packed unit: 2 for 4 bits, 4 for 2 bits, 16 for 6 bits)."""
+    _check(q, bits, "q", {8: 1, 6: 16, 4: 2, 2: 4}.get(bits, 1))
+    q = _aligned(q, 4)
     if bits == 8:
         return q.view(torch.uint8)
     lead, m = q.shape[:-1], q.shape[-1]
@@ -47,8 +63,10 @@ def _code_byte(field: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_codes(b: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: uint8 ``[..., k]`` -> int8 codes ``[..., k*8/bits]``."""
-    _check(bits)
+    """Inverse of :func:`pack_codes`: uint8 ``[..., k]`` (k a multiple of 3 for 6 bits) ->
+    int8 codes ``[..., k*8/bits]``."""
+    _check(b, bits, "b", 3 if bits == 6 else 1)
+    b = b.contiguous()
     if bits == 8:
         return b.view(torch.int8)
     lead, k = b.shape[:-1], b.shape[-1]

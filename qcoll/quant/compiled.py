@@ -63,18 +63,21 @@ def _compiled(name: str):
     return torch.compile(fn, dynamic=True)
 
 
-def _recompile_limit() -> dict:
-    """A limit above the graphs' variants (bits x block sizes x output dtypes), so that a
-    process using many never falls back to eager for the compiled functions."""
-    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-    return {name: max(64, getattr(torch._dynamo.config, name))}
+@functools.lru_cache(maxsize=1)
+def _raise_recompile_limit() -> None:
+    """Once per process: a per-function recompile limit above these graphs' variants (bits x
+    block sizes x output dtypes), so that a process using many never falls back to eager.
+    (Process-wide, as dynamo has no per-function limit; it is only ever raised, never lowered.)"""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(64, getattr(config, name)))
 
 
 def _call(name, *args):
     global _broken
     try:
-        with torch._dynamo.config.patch(**_recompile_limit()):
-            return _compiled(name)(*args)
+        _raise_recompile_limit()
+        return _compiled(name)(*args)
     except Exception as e:  # a compiler problem must never break the codec
         _broken = True
         warnings.warn(f"qcoll: torch.compile fast path disabled ({type(e).__name__}: {e}); using eager reference")

@@ -76,6 +76,12 @@ def split_rows(buf: torch.Tensor, n: int, bits: int, block_size: int):
     return codes, scales
 
 
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` live in one storage (decoding into ``a`` might overwrite ``b``
+    before it is read; disjoint parts of one storage just take the slower, safe path)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def dequantize_rows_into(buf: torch.Tensor, n: int, bits: int, block_size: int, out: torch.Tensor) -> torch.Tensor:
     """uint8 ``[..., packed_nbytes(n)]`` -> ``out`` ``[..., n]`` (fp32, bf16 or fp16), values
     saturated to the fp32 range, converted to ``out``'s dtype; returns ``out``."""
@@ -84,7 +90,7 @@ def dequantize_rows_into(buf: torch.Tensor, n: int, bits: int, block_size: int, 
         raise ValueError(f"out must have shape {(*lead, n)}, got {tuple(out.shape)}")
     if out.numel() == 0:
         return out
-    if not out.is_contiguous():
+    if not out.is_contiguous() or _shares_memory(out, buf):
         return out.copy_(dequantize_rows_fp32(buf, n, bits, block_size))
     codes, scales = split_rows(buf, n, bits, block_size)
     codes = codes.reshape(-1, codes.shape[-1])
