@@ -26,6 +26,11 @@ class Unit:
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
+def is_container(m: nn.Module) -> bool:
+    """A container without a ``forward`` of its own (a subclass that defines one is a unit)."""
+    return isinstance(m, CONTAINERS) and type(m).forward is nn.Module.forward
+
+
 def _default_units(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
     """Each direct child with parameters; a container child (``ModuleList`` of blocks)
     is replaced by its own children, recursively. A ``ParameterList``/``ParameterDict``
@@ -35,7 +40,7 @@ def _default_units(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Mo
         path = prefix + name
         if not any(True for _ in child.parameters()) or isinstance(child, (nn.ParameterList, nn.ParameterDict)):
             continue
-        if isinstance(child, CONTAINERS):
+        if is_container(child):
             chosen += _default_units(child, path + ".")
         else:
             chosen.append((path, child))
@@ -71,7 +76,7 @@ def select_units(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
             if not any(isinstance(m, classes) for _, m in chosen):
                 raise ValueError(f"units: the model has no submodule of type {[c.__name__ for c in classes]}")
         for name, m in chosen:
-            if isinstance(m, CONTAINERS):
+            if is_container(m):
                 raise ValueError(f"units: the unit {name or '<root>'} is a {type(m).__name__}, whose forward is "
                                  "never called (its hooks would never gather it); name its elements instead")
             if not any(True for _ in m.parameters()):
