@@ -155,3 +155,64 @@ def test_released_parameters_are_empty_not_dangling(ranks4):
         assert {k: v for k, v in full_shapes.items() if k in shapes} == shapes
         assert round_trip  # loading the full state dict gives back the same state
         assert again == before and again == again  # and the same (finite) loss
+
+
+def test_a_module_list_with_its_own_forward_is_a_unit():
+    from qcoll.zero.units import select_units
+
+    class Blocks(nn.ModuleList):
+        def forward(self, x):
+            for b in self:
+                x = b(x)
+            return x
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = Blocks([nn.Linear(4, 4), nn.Linear(4, 4)])
+            self.plain = nn.ModuleList([nn.Linear(4, 4)])
+
+        def forward(self, x):
+            return self.plain[0](self.blocks(x))
+
+    net = Net()
+    assert [name for name, _ in select_units(net, None)] == ["blocks", "plain.0"]
+    assert [name for name, _ in select_units(net, [net.blocks])] == ["blocks"]
+
+
+def _frozen_middle_and_partial_load(rank, world):
+    import copy
+    import dataclasses
+
+    topo = qcoll.Topology(2)
+    results = {}
+    for prefetch in (0, 1):
+        torch.manual_seed(0)
+        plain = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1))
+        plain[1].requires_grad_(False)
+        plain[2].requires_grad_(False)
+        model = zero.shard(copy.deepcopy(plain), topo, dataclasses.replace(zero.ZeroConfig.zero3(), prefetch=prefetch))
+        opt = zero.Optimizer(model, torch.optim.SGD, lr=0.5)
+        ref_opt = torch.optim.SGD([p for p in plain.parameters() if p.requires_grad], lr=0.5)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))  # the same batch on every rank
+        model(x).sum().backward()
+        opt.step()
+        plain(x).sum().backward()
+        ref_opt.step()
+        got, want = model.state_dict(), plain.state_dict()
+        results[prefetch] = max(float((got[k] - want[k]).abs().max()) for k in want)
+    before = model.state_dict()
+    model.load_state_dict({"0.weight": torch.ones(8, 8)}, strict=False)
+    after = model.state_dict()
+    kept = all(torch.equal(after[k], before[k]) for k in before if k != "0.weight")
+    with pytest.raises(TypeError, match=r"state_dict\['0.bias'\] must be a tensor, got float"):
+        model.load_state_dict({"0.bias": 1.0}, strict=False)
+    return results, kept, torch.equal(after["0.weight"], torch.ones(8, 8))
+
+
+def test_frozen_units_between_trainable_ones_and_partial_loads(ranks4):
+    """Gradients flow back through frozen units (gathered again for backward) and match the
+    unsharded model's SGD step; load_state_dict(strict=False) keeps the values it is not given."""
+    for results, kept, loaded in ranks4.run(_frozen_middle_and_partial_load, timeout=90):
+        assert results[0] < 1e-5 and results[1] < 1e-5, results
+        assert kept and loaded

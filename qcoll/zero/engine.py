@@ -76,7 +76,7 @@ class Engine:
         for g in unit.groups:
             g.forward_users -= 1
             g.maybe_free()
-        if torch.is_grad_enabled() and any(g.trainable for g in unit.groups):
+        if torch.is_grad_enabled():  # frozen units too: a gradient may flow through them to earlier units
             leaves, _ = tree_flatten(output)
             tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:

@@ -102,7 +102,10 @@ class ShardedModel(nn.Module):
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a full state dict (as :meth:`state_dict` returns, or the plain model's)."""
+        """Load a full state dict (as :meth:`state_dict` returns, or the plain model's).
+
+        A collective: call it on every rank with the same keys. With ``strict=False`` the
+        parameters that ``state_dict`` leaves out keep their values."""
         if assign:
             raise ValueError("assign=True is not supported by a ShardedModel")
         managed = self._managed()
@@ -121,13 +124,16 @@ class ShardedModel(nn.Module):
                 shape = g.shapes[i]
             else:
                 shape = target.shape
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
-                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                raise ValueError(f"state_dict[{key!r}] has shape {got}, the model expects {tuple(shape)}")
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"state_dict[{key!r}] must be a tensor, got {type(value).__name__}")
+            if tuple(value.shape) != tuple(shape):
+                raise ValueError(f"state_dict[{key!r}] has shape {tuple(value.shape)}, "
+                                 f"the model expects {tuple(shape)}")
             if id(target) in managed:
                 g, i = managed[id(target)]
-                full = fulls.setdefault(g.index, torch.zeros(g.topology.world_size * g.shard_numel))
-                full[g.offsets[i]: g.offsets[i] + g.numels[i]].copy_(value.reshape(-1))
+                if g.index not in fulls:  # start from the current values: keys not given keep theirs
+                    fulls[g.index] = g.gather_full_fp32().clone()
+                fulls[g.index][g.offsets[i]: g.offsets[i] + g.numels[i]].copy_(value.reshape(-1))
             else:
                 with torch.no_grad():
                     target.copy_(value)
