@@ -93,23 +93,33 @@ def quantize_blocks(xb: torch.Tensor, bits: int):
     return None if codes is None else (codes, *out[1:])
 
 
-def dequantize_into(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
-                    out: torch.Tensor) -> bool:
-    """Packed codes ``[rows, k]``, fp32 scales ``[rows, nb]`` -> ``out`` ``[rows, n]``
-    (``n > (nb-1)*block_size``, the last dimension contiguous). False on a compiler failure."""
-    q = codes.view(torch.int8) if bits == 8 else _call("unpack", codes, bits)
-    if q is None:
-        return False
+def scale_rows_into(q: torch.Tensor, scales: torch.Tensor, block_size: int, out: torch.Tensor,
+                    full_blocks=scale_into) -> bool:
+    """int8 codes ``[rows, >= n]``, fp32 scales ``[rows, nb]`` -> ``out`` ``[rows, n]`` (its last
+    dimension contiguous): the whole blocks through ``full_blocks`` (:func:`scale_into` or its
+    compiled twin; None from it means failure), the partial last block eagerly."""
     rows, n = out.shape
     full = n // block_size
     if full:
         q3 = q[:, : full * block_size].view(rows, full, block_size)
         out3 = out[:, : full * block_size].view(rows, full, block_size)
-        for t in (q3, out3):
-            torch._dynamo.mark_static(t, 2)
-        if _call("scale", q3, scales[:, :full], out3) is None:
+        if full_blocks(q3, scales[:, :full], out3) is None:
             return False
-    if n > full * block_size:  # the last, partial block: small, eager
+    if n > full * block_size:
         scale_into(q[:, full * block_size: n].unsqueeze(1), scales[:, full: full + 1],
                    out[:, full * block_size:].unsqueeze(1))
     return True
+
+
+def _scale_compiled(q3: torch.Tensor, scales: torch.Tensor, out3: torch.Tensor):
+    for t in (q3, out3):
+        torch._dynamo.mark_static(t, 2)  # the block size: see above
+    return _call("scale", q3, scales, out3)
+
+
+def dequantize_into(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
+                    out: torch.Tensor) -> bool:
+    """Packed codes ``[rows, k]``, fp32 scales ``[rows, nb]`` -> ``out`` ``[rows, n]``
+    (``n > (nb-1)*block_size``, the last dimension contiguous). False on a compiler failure."""
+    q = codes.view(torch.int8) if bits == 8 else _call("unpack", codes, bits)
+    return q is not None and scale_rows_into(q, scales, block_size, out, _scale_compiled)

@@ -98,14 +98,7 @@ def dequantize_rows_into(buf: torch.Tensor, n: int, bits: int, block_size: int, 
     flat = out.view(codes.shape[0], n)
     if compiled.enabled(buf.device, flat.numel()) and compiled.dequantize_into(codes, scales, bits, block_size, flat):
         return out
-    q = unpack_codes(codes, bits)
-    full = n // block_size
-    if full:
-        compiled.scale_into(q[:, : full * block_size].view(-1, full, block_size), scales[:, :full],
-                            flat[:, : full * block_size].view(-1, full, block_size))
-    if n > full * block_size:
-        compiled.scale_into(q[:, full * block_size: n].unsqueeze(1), scales[:, full: full + 1],
-                            flat[:, full * block_size:].unsqueeze(1))
+    compiled.scale_rows_into(unpack_codes(codes, bits), scales, block_size, flat)
     return out
 
 
