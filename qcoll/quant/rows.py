@@ -27,7 +27,7 @@ def dequantize_rows_into(buf, n, bits, block_size, out) -> torch.Tensor:
     """Like :func:`dequantize_rows`, written into ``out`` ``[rows, n]`` (its dtype); returns ``out``.
 
     On CPU the values are written straight into ``out``; the CUDA path still dequantizes into
-    a fresh tensor and copies (the kernel can write into ``out``: not yet wired, see RESULTS.md).
+    a fresh tensor and copies (``launch.dequantize_rows_into`` could write into ``out``: not yet wired).
     """
     if use_cuda(buf):
         return out.copy_(kernels().dequantize_rows(buf, n, bits, block_size, out.dtype))
