@@ -55,7 +55,6 @@ class FlatGroup:
         self.views = [self.full[off:off + n].view(shape)
                       for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
         self.released = self.full.new_empty(0)
-        self.viewing = False         # the parameters' .data are the views (else `released`)
         self._free_storage()
         self.secondary = SecondaryShard(topology) if config.hpz else None
         self.gathered = False
@@ -70,16 +69,13 @@ class FlatGroup:
         nbytes = self.full.numel() * self.full.element_size()
         if self.full.untyped_storage().nbytes() != nbytes:
             self.full.untyped_storage().resize_(nbytes)
-        if not self.viewing:
-            for p, view in zip(self.params, self.views):
-                p.data = view
-            self.viewing = True
+        for p, view in zip(self.params, self.views):
+            p.data = view
 
     def _free_storage(self) -> None:
         self.full.untyped_storage().resize_(0)
         for p in self.params:
             p.data = self.released
-        self.viewing = False
 
     # ------------------------------------------------------------------ gather
     def start_gather(self, backward: bool) -> None:
