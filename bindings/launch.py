@@ -40,9 +40,13 @@ def device_arch(device: torch.device) -> str:
     return f"sm_{major}{minor}"
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def get_kernel(name: str, device: torch.device):
     """The CuPy ``RawKernel`` of kernel ``name`` for the tensor's device (compiled on first use)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     fn = _functions.get((index, name))
     if fn is not None:
         return fn
@@ -101,7 +105,7 @@ def _launch(name: str, device: torch.device, work_items: int, per_cta: int, args
     cp = _cupy()
     grid = max(1, min(-(-work_items // per_cta), MAX_GRID))
     kernel = get_kernel(name, device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     stream = cupy_stream(index, torch.cuda.current_stream(device).cuda_stream)
     with cp.cuda.Device(index):
         kernel((grid,), (THREADS,), tuple(args), stream=stream)  # CuPy raises on launch errors
