@@ -42,8 +42,12 @@ class Engine:
         self.micro_step = 0
         self._hooks = []
         for u in units:
-            self._hooks.append(u.module.register_forward_pre_hook(functools.partial(self._pre_forward, u)))
-            self._hooks.append(u.module.register_forward_hook(functools.partial(self._post_forward, u)))
+            # The hooks talk to other ranks: torch.compile runs them eagerly (a graph break at each
+            # unit's boundary, as FSDP2's hooks do) and compiles what lies between them.
+            pre = torch.compiler.disable(functools.partial(self._pre_forward, u))
+            post = torch.compiler.disable(functools.partial(self._post_forward, u))
+            self._hooks.append(u.module.register_forward_pre_hook(pre))
+            self._hooks.append(u.module.register_forward_hook(post))
         for g in groups:
             if g.trainable:
                 for p in g.params:
