@@ -79,12 +79,15 @@ def _misuse(rank, world):
     with pytest.raises(TypeError, match="config"):
         zero.shard(model, topo, config={"weight_bits": 8})
     m = zero.shard(model, topo)
+    assert m is model  # sharded in place
     with pytest.raises(ValueError, match="already sharded"):
         zero.shard(m, topo)
+    with pytest.raises(ValueError, match=r"parameter 'weight' is already managed"):  # a part of a sharded model
+        zero.shard(m[0], topo)
     with pytest.raises(TypeError, match="optimizer_class"):
         zero.Optimizer(m, "adam")
-    with pytest.raises(TypeError, match="ShardedModel"):
-        zero.save("/nonexistent", model)
+    with pytest.raises(TypeError, match="sharded by qcoll.zero.shard"):
+        zero.save("/nonexistent", tiny_model(0))
     return True
 
 
@@ -96,7 +99,7 @@ def _units_by_class(rank, world):
     from qcoll.bench.transformer import Block
     topo = qcoll.Topology(2)
     m = zero.shard(tiny_model(0), topo, units=[Block])
-    by_class = [g.name for g in m.groups]
+    by_class = [g.name for g in zero.state_of(m).groups]
     model = tiny_model(0)
     with pytest.raises(ValueError, match=r"unit blocks is a ModuleList.*never called"):
         zero.shard(model, topo, units=[model.blocks])
@@ -108,14 +111,14 @@ def _units_by_class(rank, world):
         loss = m(x, x)
         loss.backward()
         losses.append(float(loss))
-    return by_class, [g.name for g in zero.shard(tiny_model(0), topo).groups], losses
+    return by_class, [g.name for g in zero.state_of(zero.shard(tiny_model(0), topo)).groups], losses
 
 
 def test_units_by_module_class(ranks4):
     by_class, default, losses = ranks4.run(_units_by_class, timeout=60)[0]
     assert by_class == ["<root>", "blocks.0", "blocks.1"]
-    # the default descends into the ModuleList of blocks (a ModuleList is never called)
-    assert default == ["<root>", "embed", "blocks.0", "blocks.1", "ln_f"]
+    # the default units are the entries of the ModuleList of blocks; the root takes the rest
+    assert default == ["<root>", "blocks.0", "blocks.1"]
     assert losses[0] == losses[1]  # same model, same units: the same unquantized loss
 
 
@@ -157,7 +160,7 @@ def test_released_parameters_are_empty_not_dangling(ranks4):
         assert again == before and again == again  # and the same (finite) loss
 
 
-def test_a_module_list_with_its_own_forward_is_a_unit():
+def test_a_module_list_with_its_own_forward_can_be_a_unit():
     from qcoll.zero.units import select_units
 
     class Blocks(nn.ModuleList):
@@ -176,7 +179,7 @@ def test_a_module_list_with_its_own_forward_is_a_unit():
             return self.plain[0](self.blocks(x))
 
     net = Net()
-    assert [name for name, _ in select_units(net, None)] == ["blocks", "plain.0"]
+    assert [name for name, _ in select_units(net, None)] == ["blocks.0", "blocks.1", "plain.0"]
     assert [name for name, _ in select_units(net, [net.blocks])] == ["blocks"]
 
 

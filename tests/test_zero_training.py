@@ -137,8 +137,8 @@ def _twice(rank, world):
     x = torch.randn(3, 6, generator=g)
     with torch.no_grad():
         torch.testing.assert_close(m(x), ref(x), rtol=1e-5, atol=1e-6)
-    assert all(grp.full.untyped_storage().nbytes() == 0 for grp in m.groups)
-    assert all(grp.secondary is None or grp.secondary.data is None for grp in m.groups)
+    assert all(t.untyped_storage().nbytes() == 0 for grp in zero.state_of(m).groups for t in [grp.full, *grp.data])
+    assert all(grp.secondary is None or grp.secondary.data is None for grp in zero.state_of(m).groups)
 
 
 def test_module_called_twice_and_root_parameters(ranks4):
@@ -150,7 +150,7 @@ def _nonfinite(rank, world, grad_bits):
     model = tiny_model(0)
     m = zero.shard(model, topo, zero.ZeroConfig(grad_bits=grad_bits), units=model.units())
     opt = zero.Optimizer(m, torch.optim.AdamW, lr=3e-3)
-    before = [g.master.detach().clone() for g in m.groups]
+    before = [g.master.detach().clone() for g in zero.state_of(m).groups]
     x, y = Batches(data(), BATCH, 32, 0).next(rank, world)
     loss = m(x, y)
     if rank == 1:
@@ -158,13 +158,13 @@ def _nonfinite(rank, world, grad_bits):
     loss.backward()
     assert opt.step() is False
     assert opt.skipped_steps == 1 and opt.last_step_skipped
-    for g, b in zip(m.groups, before):
+    for g, b in zip(zero.state_of(m).groups, before):
         assert torch.equal(g.master.detach(), b)
         assert g.master.grad is None
     loss = m(x, y)
     loss.backward()
     assert opt.step() is True
-    assert any(not torch.equal(g.master.detach(), b) for g, b in zip(m.groups, before))
+    assert any(not torch.equal(g.master.detach(), b) for g, b in zip(zero.state_of(m).groups, before))
 
 
 @pytest.mark.parametrize("grad_bits", [4, None])
@@ -182,7 +182,7 @@ def _bytes_per_step(rank, world, config):
     m(x, y).backward()
     opt.step()
     snap = stats.snapshot()
-    return snap["intra_bytes"], snap["inter_bytes"], [g.shard_numel for g in m.groups]
+    return snap["intra_bytes"], snap["inter_bytes"], [g.shard_numel for g in zero.state_of(m).groups]
 
 
 def test_bytes_per_step_follow_the_design(ranks4):

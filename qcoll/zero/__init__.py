@@ -1,16 +1,17 @@
 """ZeRO++ sharded data parallelism: ZeRO-3 with qwZ, hpZ and qgZ.
 
-    model = qcoll.zero.shard(model, config=qcoll.zero.ZeroConfig())   # every rank
+    qcoll.zero.shard(model, config=qcoll.zero.ZeroConfig())   # every rank; in place, returns model
     opt = qcoll.zero.Optimizer(model, torch.optim.AdamW, lr=1e-3)
     loss = model(x).loss; loss.backward(); opt.step(); opt.zero_grad()
     qcoll.zero.save(path, model, opt) / qcoll.zero.load(path, model, opt)
 """
 from .config import ZeroConfig
 from .memory import memory_report
-from .model import ShardedModel, shard
+from .model import ShardedModel, ZeroModule, shard
 from .optimizer import LossScaler, Optimizer
+from .state import ZeroState, state_of
 
-__all__ = ["shard", "ShardedModel", "ZeroConfig", "Optimizer", "LossScaler", "save", "load", "memory_report"]
+__all__ = ["shard", "ZeroModule", "ShardedModel", "ZeroState", "state_of", "ZeroConfig", "Optimizer", "LossScaler", "save", "load", "memory_report"]
 
 
 def save(checkpoint_dir, model, optimizer=None) -> None:

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from .model import ShardedModel
+from .state import state_of
 from .optimizer import Optimizer
 
 _meshes = {}
@@ -34,10 +34,11 @@ def _dtensor(group, local: torch.Tensor) -> DTensor:
                               shape=torch.Size([group.total]), stride=(1,))
 
 
-def _model_state(model: ShardedModel) -> dict:
-    state = {f"flat.{g.name}": _dtensor(g, g.master.detach()) for g in model.groups}
-    managed = {id(p) for g in model.groups for p in g.params}
-    for key, value in model.module.state_dict(keep_vars=True).items():
+def _model_state(model) -> dict:
+    groups = state_of(model).groups
+    state = {f"flat.{g.name}": _dtensor(g, g.master.detach()) for g in groups}
+    managed = {id(p) for g in groups for p in g.params}
+    for key, value in model._plain_state_dict().items():
         if id(value) not in managed:
             state[f"buffer.{key}"] = value.detach()
     return state
@@ -65,7 +66,7 @@ def _ensure_optimizer_state(opt: Optimizer) -> None:
 
 
 def _optimizer_state(opt: Optimizer) -> dict:
-    groups = {id(g.master): g for g in opt.model.groups}
+    groups = {id(g.master): g for g in state_of(opt.model).groups}
     state = {}
     for m in opt.masters:
         g = groups[id(m)]
@@ -84,33 +85,32 @@ def _optimizer_state(opt: Optimizer) -> dict:
 
 
 def _check(model, optimizer):
-    if not isinstance(model, ShardedModel):
-        raise TypeError(f"model must be a ShardedModel from qcoll.zero.shard, got {type(model).__name__}")
+    state_of(model)  # a TypeError unless qcoll.zero.shard(...) sharded it
     if optimizer is not None and (not isinstance(optimizer, Optimizer) or optimizer.model is not model):
         raise TypeError("optimizer must be the qcoll.zero.Optimizer of this model")
 
 
-def save(checkpoint_dir, model: ShardedModel, optimizer: Optimizer | None = None) -> None:
+def save(checkpoint_dir, model, optimizer: Optimizer | None = None) -> None:
     """Save the sharded model (and optimizer) state to ``checkpoint_dir`` (collective)."""
     _check(model, optimizer)
-    model.engine.wait_reduces()
-    state = {"model": _model_state(model), "engine": {"micro_step": torch.tensor(model.engine.micro_step)}}
+    state_of(model).engine.wait_reduces()
+    state = {"model": _model_state(model), "engine": {"micro_step": torch.tensor(state_of(model).engine.micro_step)}}
     if optimizer is not None:
         _ensure_optimizer_state(optimizer)
         state["optim"] = _optimizer_state(optimizer)
     dcp.save(state, checkpoint_id=str(checkpoint_dir))
 
 
-def load(checkpoint_dir, model: ShardedModel, optimizer: Optimizer | None = None) -> None:
+def load(checkpoint_dir, model, optimizer: Optimizer | None = None) -> None:
     """Load a checkpoint written by :func:`save`, with any world size (collective)."""
     _check(model, optimizer)
-    model.engine.wait_reduces()
+    state_of(model).engine.wait_reduces()
     state = {"model": _model_state(model), "engine": {"micro_step": torch.tensor(0)}}
     if optimizer is not None:
         _ensure_optimizer_state(optimizer)
         state["optim"] = _optimizer_state(optimizer)
     dcp.load(state, checkpoint_id=str(checkpoint_dir))
-    groups = {g.name: g for g in model.groups}
+    groups = {g.name: g for g in state_of(model).groups}
     with torch.no_grad():
         for key, value in state["model"].items():
             kind, name = key.split(".", 1)
@@ -119,11 +119,11 @@ def load(checkpoint_dir, model: ShardedModel, optimizer: Optimizer | None = None
                 local = value.to_local().clone()  # may be a view of the master itself (loaded in place)
                 g.master.zero_()
                 g.master[: g.local_numel].copy_(local)
-        buffers = model.module.state_dict(keep_vars=True)
+        buffers = model._plain_state_dict()
         for key, value in state["model"].items():
             if key.startswith("buffer."):
                 buffers[key[len("buffer."):]].copy_(value)
-    model.engine.micro_step = int(state["engine"]["micro_step"])
+    state_of(model).engine.micro_step = int(state["engine"]["micro_step"])
     if optimizer is not None:
         _restore_optimizer(optimizer, state["optim"], groups)
 

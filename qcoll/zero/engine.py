@@ -11,6 +11,12 @@ reduce-scattered with qgZ (async); the end-of-backward callback reduces the
 groups that did not complete (unused parameters count as zero), waits for all
 reductions, adds them to the fp32 master gradients and frees everything.
 
+A forward that reads a parameter of a unit other than the ones running (a parent
+computing ``h @ self.emb.weight.T``) finds it released; during the model's first
+forward a torch-function probe sees every op's arguments, gathers such a parameter's
+group on the spot and adds it to the innermost running unit, which from then on
+gathers it before its forward and backward like its own.
+
 Every rank must run the same units in the same order and use the same
 parameters in each backward (as with DDP without ``find_unused_parameters``):
 the collectives are matched by order.
@@ -21,16 +27,48 @@ import functools
 
 import torch
 from torch.autograd import Variable
+from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..quant.rng import mix32_int
 from .flat import FlatGroup
 from .units import Unit
 
 
+class _ReleasedParameterProbe(TorchFunctionMode):
+    """Sees every torch op of a forward and gathers the released parameters it reads."""
+
+    def __init__(self, engine: "Engine"):
+        super().__init__()
+        self.engine = engine
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.engine.busy:  # the engine's own ops (gathers, .data swaps) are not the model's
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, nn.Parameter) and t.numel() == 0:
+                    self.engine.use_released(t)
+        return func(*args, **kwargs)
+
+
+def _engine_hook(fn):
+    """The engine's own code: the probe ignores its ops."""
+
+    @functools.wraps(fn)
+    def run(self, *args, **kwargs):
+        busy, self.busy = self.busy, True
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self.busy = busy
+
+    return run
+
+
 class Engine:
-    def __init__(self, units: list[Unit], groups: list[FlatGroup], config):
+    def __init__(self, root: nn.Module, units: list[Unit], groups: list[FlatGroup], config):
         self.units = units
         self.groups = groups
         self.config = config
@@ -40,7 +78,16 @@ class Engine:
         self.in_backward = False
         self.reduces = []
         self.micro_step = 0
-        self._hooks = []
+        self.forwards = 0                  # forwards begun (the first one runs the probe)
+        self.running: list[Unit] = []     # units inside their forward, innermost last
+        self._in_forward = False
+        self._probe = None
+        self.busy = False                  # inside the engine's own hooks (the probe looks away)
+        self._group_of = {id(p): g for g in groups for p in g.params}
+        self._hooks = [
+            root.register_forward_pre_hook(torch.compiler.disable(self._begin_forward), prepend=True,
+                                           with_kwargs=True),
+        ]
         for u in units:
             # The hooks talk to other ranks: torch.compile runs them eagerly (a graph break at each
             # unit's boundary, as FSDP2's hooks do) and compiles what lies between them.
@@ -52,22 +99,64 @@ class Engine:
             if g.trainable:
                 for p in g.params:
                     self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, g)))
+        self._hooks.append(root.register_forward_hook(torch.compiler.disable(self._end_forward)))
 
     # ------------------------------------------------------------------ forward
-    def begin_forward(self) -> None:
+    def _begin_forward(self, module, args, kwargs):
+        if self._in_forward:  # the previous forward raised: its units never ended
+            self._reset_forward()
+        self._in_forward = True
         if self.order:
             self.last_order = self.order
         self.order = []
+        self.forwards += 1
+        if self.forwards == 1:
+            self._probe = _ReleasedParameterProbe(self)
+            self._probe.__enter__()
+        dtype = self.config.compute_dtype
+        if dtype is not None:
+            cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+            return tree_map_only(torch.Tensor, cast, (args, kwargs))
+        return None
 
-    def end_forward(self, failed: bool) -> None:
+    @_engine_hook
+    def _end_forward(self, module, args, output):
+        self._stop_probe()
+        self._in_forward = False
         for g in self.groups:
-            if failed:
-                g.forward_users = 0
+            g.maybe_free()
+        return output
+
+    def _stop_probe(self) -> None:
+        if self._probe is not None:
+            probe, self._probe = self._probe, None
+            probe.__exit__(None, None, None)
+
+    def _reset_forward(self) -> None:
+        self._stop_probe()
+        self.running = []
+        for g in self.groups:
+            g.forward_users = 0
             g.maybe_free()
 
+    @_engine_hook
+    def use_released(self, param: nn.Parameter) -> None:
+        """A released parameter is read inside a forward: gather its group and make it one
+        of the innermost running unit's groups (gathered for its forward and backward)."""
+        group = self._group_of.get(id(param))
+        if group is None or not self.running:
+            return
+        unit = self.running[-1]
+        if group not in unit.groups:
+            unit.groups.append(group)
+            group.forward_users += 1
+        group.ensure_gathered(backward=False)
+
+    @_engine_hook
     def _pre_forward(self, unit: Unit, module, args):
         call = len(self.order)
         self.order.append(unit)
+        self.running.append(unit)
         for g in unit.groups:
             g.forward_users += 1
         for g in unit.groups:
@@ -76,7 +165,10 @@ class Engine:
             for g in nxt.groups:
                 g.start_gather(backward=False)
 
+    @_engine_hook
     def _post_forward(self, unit: Unit, module, args, output):
+        if self.running and self.running[-1] is unit:
+            self.running.pop()
         for g in unit.groups:
             g.forward_users -= 1
             g.maybe_free()
@@ -89,6 +181,7 @@ class Engine:
         return output
 
     # ------------------------------------------------------------------ backward
+    @_engine_hook
     def _pre_backward(self, unit: Unit, order: list[Unit], call: int, grad) -> None:
         if not self.in_backward:
             self.in_backward = True

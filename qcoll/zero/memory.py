@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from .state import state_of
+
 
 def _nbytes(tensors) -> int:
     seen, total = set(), 0
@@ -20,10 +22,11 @@ def memory_report(model, optimizer=None) -> dict:
     optimizer's state, hpZ secondary shards, gathered full parameters, and what
     ZeRO-3's rule predicts (``16 x params / world`` for fp32 Adam, plus
     ``params / L x bits / 8`` for the hpZ secondary while it is held)."""
-    groups = model.groups
+    state = state_of(model)
+    groups = state.groups
     params = sum(g.total for g in groups)
-    world = model.topology.world_size
-    L = model.topology.ranks_per_node
+    world = state.topology.world_size
+    L = state.topology.ranks_per_node
     report = {
         "params": params,
         "master": _nbytes(g.master for g in groups),
@@ -34,8 +37,8 @@ def memory_report(model, optimizer=None) -> dict:
     }
     if optimizer is not None:
         report["optimizer_state"] = _nbytes(v for s in optimizer.optimizer.state.values() for v in s.values())
-    bits = model.config.weight_bits
-    secondary_bytes_per_param = (bits / 8 if bits else model.config.dtype.itemsize) if model.config.hpz else 0
+    bits = state.config.weight_bits
+    secondary_bytes_per_param = (bits / 8 if bits else state.config.dtype.itemsize) if state.config.hpz else 0
     report["zero3_rule"] = 16 * params / world
     report["hpz_rule"] = params / L * secondary_bytes_per_param
     return report

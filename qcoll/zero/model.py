@@ -1,4 +1,11 @@
-"""``shard(model)``: the ZeRO++ sharded model (ZeRO-3 with qwZ, hpZ and qgZ)."""
+"""``shard(model)``: ZeRO++ sharding of a module in place (ZeRO-3 with qwZ, hpZ and qgZ).
+
+As FSDP2's ``fully_shard``, :func:`shard` changes the module in place: its class
+becomes a subclass of both :class:`ZeroModule` and its own class (``isinstance``,
+its methods and attributes keep working: ``generate``, ``config``...), its parameters
+keep their identity and live as flat fp32 shards across the world, and hooks gather
+each unit's parameters around its forward and backward.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -6,99 +13,65 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map_only
 
 from ..comm import Topology
 from ..comm.topology import current_topology
 from .config import ZeroConfig
 from .engine import Engine
 from .flat import FlatGroup
+from .state import MANAGED_ATTR, STATE_ATTR, ZeroState, state_of
 from .units import build_units
 
 
-class ShardedModel(nn.Module):
-    """A model whose parameters live as flat fp32 shards across the world.
+class ZeroModule(nn.Module):
+    """The methods :func:`shard` adds to the sharded module's class (a mixin, as FSDP2's
+    ``FSDPModule``; never constructed directly).
 
-    Made by :func:`shard`; call it like the original model. Each unit's full
-    parameters exist only during its forward and backward. ``state_dict()`` returns
-    the full, unsharded state dict of the original model (a collective: call it on
-    every rank) and ``load_state_dict`` takes one; sharded checkpoints go through
+    Each unit's full parameters exist only during its forward and backward; outside
+    them the parameters are empty tensors. ``state_dict()`` returns the full, unsharded
+    state dict of the original model (a collective: call it on every rank) and
+    ``load_state_dict`` takes one; sharded checkpoints go through
     :func:`qcoll.zero.save` / :func:`qcoll.zero.load`.
     """
-
-    def __init__(self, module: nn.Module, topology: Topology, config: ZeroConfig, units, sync_module_states: bool):
-        super().__init__()
-        self.module = module
-        self.topology = topology
-        self.config = config
-        unit_list = build_units(module, units)
-        groups, group_of = [], {}
-        for u in unit_list:
-            trainable = [(n, p) for n, p in u.owned if p.requires_grad]
-            frozen = [(n, p) for n, p in u.owned if not p.requires_grad]
-            for params, suffix in ((trainable, ""), (frozen, ".frozen")):
-                if params:
-                    g = FlatGroup(u.label + suffix, len(groups), params, topology, config, sync_module_states)
-                    groups.append(g)
-                    for _, p in params:
-                        group_of[id(p)] = g
-        for u in unit_list:
-            seen = []
-            for p in u.used:
-                g = group_of[id(p)]
-                if g not in seen:
-                    seen.append(g)
-            u.groups = seen
-        self.units = unit_list
-        self.groups = groups
-        self.engine = Engine(unit_list, groups, config)
-
-    def forward(self, *args, **kwargs):
-        dtype = self.config.compute_dtype
-        if dtype is not None:
-            cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
-            args, kwargs = tree_map_only(torch.Tensor, cast, (args, kwargs))
-        self.engine.begin_forward()
-        failed = True
-        try:
-            out = self.module(*args, **kwargs)
-            failed = False
-        finally:
-            self.engine.end_forward(failed)
-        return out
 
     @contextlib.contextmanager
     def no_sync(self):
         """Gradient accumulation without communication: inside, backward keeps the
         full gradients on the parameters; the first backward outside reduces them
         together with its own (as DDP's ``no_sync``; costs a full gradient's memory)."""
-        previous = self.engine.sync_grads
-        self.engine.sync_grads = False
+        engine = state_of(self).engine
+        previous = engine.sync_grads
+        engine.sync_grads = False
         try:
             yield
         finally:
-            self.engine.sync_grads = previous
+            engine.sync_grads = previous
 
-    def trainable_masters(self) -> list[nn.Parameter]:
-        return [g.master for g in self.groups if g.trainable]
+    def _plain_state_dict(self) -> dict:
+        """The state dict of the module's own class, with the (released) parameters as they are."""
+        return super(ZeroModule, self).state_dict(keep_vars=True)
 
     # ------------------------------------------------------------------ full state dict
-    def _managed(self) -> dict[int, tuple[FlatGroup, int]]:
-        return {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
-
-    def state_dict(self, *args, **kwargs):
-        """The full (unsharded) state dict of the original model, fp32 parameters in
-        their original dtype, on every rank (a collective over the world)."""
-        managed = self._managed()
-        fulls = {g.index: g.gather_full_fp32() for g in self.groups}
-        out = {}
-        for key, value in self.module.state_dict(keep_vars=True).items():
-            if id(value) in managed:
-                g, i = managed[id(value)]
-                flat = fulls[g.index][g.offsets[i]: g.offsets[i] + g.numels[i]]
-                out[key] = flat.view(g.shapes[i]).to(g.orig_dtypes[i]).clone()
-            else:
-                out[key] = value.detach().clone()
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The full (unsharded) state dict of the original model, parameters in their
+        original dtype, on every rank (a collective over the world). Tied parameters
+        stay one tensor under each of their keys."""
+        if args:  # torch's deprecated positional form (destination, prefix, keep_vars)
+            destination, prefix, keep_vars = (list(args) + [destination, prefix, keep_vars][len(args):])[:3]
+        state = state_of(self)
+        managed = state.managed()
+        fulls = {g.index: g.gather_full_fp32() for g in state.groups}
+        out = {} if destination is None else destination
+        values = {}
+        for key, value in self._plain_state_dict().items():
+            if id(value) not in values:
+                if id(value) in managed:
+                    g, i = managed[id(value)]
+                    flat = fulls[g.index][g.offsets[i]: g.offsets[i] + g.numels[i]]
+                    values[id(value)] = flat.view(g.shapes[i]).to(g.orig_dtypes[i]).clone()
+                else:
+                    values[id(value)] = value if keep_vars else value.detach().clone()
+            out[prefix + key] = values[id(value)]
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -107,9 +80,10 @@ class ShardedModel(nn.Module):
         A collective: call it on every rank with the same keys. With ``strict=False`` the
         parameters that ``state_dict`` leaves out keep their values."""
         if assign:
-            raise ValueError("assign=True is not supported by a ShardedModel")
-        managed = self._managed()
-        own = self.module.state_dict(keep_vars=True)
+            raise ValueError("assign=True is not supported by a module sharded by qcoll.zero.shard")
+        state = state_of(self)
+        managed = state.managed()
+        own = self._plain_state_dict()
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
         if strict and (missing or unexpected):
@@ -137,32 +111,80 @@ class ShardedModel(nn.Module):
             else:
                 with torch.no_grad():
                     target.copy_(value)
-        for g in self.groups:
+        for g in state.groups:
             if g.index in fulls:
                 g.load_full_fp32(fulls[g.index])
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
+
+
+#: The name of :class:`ZeroModule` in earlier releases (a wrapper then; the module itself now).
+ShardedModel = ZeroModule
+
+_classes: dict[type, type] = {}
+
+
+def _zero_class(cls: type) -> type:
+    """``Zero<cls>``: a subclass of :class:`ZeroModule` and ``cls`` (one per class)."""
+    if cls not in _classes:
+        _classes[cls] = type(f"Zero{cls.__name__}", (ZeroModule, cls), {"__module__": cls.__module__})
+    return _classes[cls]
+
+
+def _check_not_sharded(model: nn.Module) -> None:
+    if isinstance(model, ZeroModule):
+        raise ValueError(f"model is already sharded by qcoll.zero.shard (its class is {type(model).__name__}); "
+                         "shard a module once")
+    for name, p in model.named_parameters():
+        if getattr(p, MANAGED_ATTR, False):
+            raise ValueError(f"parameter {name!r} is already managed by qcoll.zero.shard (a submodule or a parent "
+                             "of this model was sharded); shard one module, once, and name its parts with units=")
+
+
+def _build_state(model: nn.Module, topology: Topology, config: ZeroConfig, units, sync_module_states: bool):
+    unit_list = build_units(model, units)
+    groups, group_of = [], {}
+    for u in unit_list:
+        trainable = [(n, p) for n, p in u.owned if p.requires_grad]
+        frozen = [(n, p) for n, p in u.owned if not p.requires_grad]
+        for params, suffix in ((trainable, ""), (frozen, ".frozen")):
+            if params:
+                g = FlatGroup(u.label + suffix, len(groups), params, topology, config, sync_module_states)
+                groups.append(g)
+                for _, p in params:
+                    group_of[id(p)] = g
+                    setattr(p, MANAGED_ATTR, True)
+    for u in unit_list:
+        u.groups = list(dict.fromkeys(group_of[id(p)] for p in u.used))
+    return ZeroState(topology, config, unit_list, groups, Engine(model, unit_list, groups, config))
+
+
 def shard(model: nn.Module, topology: Topology | None = None, config: ZeroConfig | None = None, units=None,
-          sync_module_states: bool = True) -> ShardedModel:
+          sync_module_states: bool = True) -> nn.Module:
     """Shard ``model``'s parameters over the world, ZeRO-3 style, with ZeRO++'s qwZ/hpZ/qgZ.
 
     ``topology``: a :class:`qcoll.Topology` (default: the last one constructed, else a
     new one from ``LOCAL_WORLD_SIZE``). ``config``: a :class:`ZeroConfig` (default:
     8-bit weights, hpZ, 4-bit gradients). ``units``: the submodules gathered as one
-    (default: each direct child with parameters; or a list of submodules, or of
-    module classes); parameters outside every unit form a root unit. With
-    ``sync_module_states`` rank 0's initial values are broadcast.
+    (default: the repeated blocks: the classes in ``model._no_split_modules`` where
+    the model names them, as Hugging Face models do, else the entries of every
+    ``ModuleList``/``ModuleDict``, else each direct child with parameters; or a list
+    of submodules, or of module classes); parameters outside every unit form the
+    root unit, gathered for the whole forward. With ``sync_module_states`` rank 0's
+    initial values are broadcast.
 
-    The model's parameters are taken over in place: outside their unit's forward and
-    backward they are empty tensors (numel 0; read values with ``state_dict()``); use
-    the returned :class:`ShardedModel` and :class:`qcoll.zero.Optimizer`.
+    Returns ``model`` itself, changed in place as FSDP2's ``fully_shard`` does: its
+    class becomes ``Zero<its class>``, a subclass of :class:`ZeroModule` and of its
+    own class. Its parameters keep their identity; outside their unit's forward and
+    backward they are empty tensors (numel 0; read values with ``state_dict()``).
+    Step it with :class:`qcoll.zero.Optimizer`. ``torch.compile(model)`` and
+    compiling blocks before sharding both work (the gathers run between graphs).
     Call on every rank.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(model, ShardedModel):
-        raise ValueError("model is already sharded")
+    _check_not_sharded(model)
     if config is None:
         config = ZeroConfig()
     if not isinstance(config, ZeroConfig):
@@ -175,4 +197,7 @@ def shard(model: nn.Module, topology: Topology | None = None, config: ZeroConfig
         raise TypeError(f"topology must be a qcoll Topology, got {type(topology).__name__}")
     if not any(True for _ in model.parameters()):
         raise ValueError("model has no parameters to shard")
-    return ShardedModel(model, topology, config, units, sync_module_states)
+    state = _build_state(model, topology, config, units, sync_module_states)
+    model.__class__ = _zero_class(type(model))
+    model.__dict__[STATE_ATTR] = state
+    return model

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .model import ShardedModel
+from .state import state_of
 
 
 class LossScaler:
@@ -62,15 +62,13 @@ class Optimizer:
     """
 
     def __init__(self, model, optimizer_class, loss_scaler: LossScaler | None = None, **kwargs):
-        if not isinstance(model, ShardedModel):
-            raise TypeError(f"model must be a ShardedModel returned by qcoll.zero.shard(...), "
-                            f"got {type(model).__name__}")
+        state_of(model)  # a TypeError unless qcoll.zero.shard(...) sharded it
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
             raise TypeError(f"loss_scaler must be a qcoll.zero.LossScaler, got {type(loss_scaler).__name__}")
         self.model = model
-        self.masters = model.trainable_masters()
+        self.masters = state_of(model).trainable_masters()
         if not self.masters:
             raise ValueError("model has no trainable parameters")
         self.optimizer = optimizer_class(self.masters, **kwargs)
@@ -99,7 +97,7 @@ class Optimizer:
         """Update the master shards; False when skipped for non-finite gradients."""
         if closure is not None:
             raise ValueError("closure is not supported by qcoll.zero.Optimizer")
-        self.model.engine.wait_reduces()
+        state_of(self.model).engine.wait_reduces()
         found_inf = self._found_inf()
         applied = self.loss_scaler.value if self.loss_scaler is not None else None
         if self.loss_scaler is not None:
@@ -122,12 +120,12 @@ class Optimizer:
                 m.grad = None
             elif m.grad is not None:
                 m.grad.zero_()
-        for g in self.model.groups:
+        for g in state_of(self.model).groups:
             g.drop_param_grads()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (over all shards of all ranks) to ``max_norm``."""
-        self.model.engine.wait_reduces()
+        state_of(self.model).engine.wait_reduces()
         sq = torch.zeros(1, dtype=torch.float64)
         for m in self.masters:
             if m.grad is not None:

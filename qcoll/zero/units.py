@@ -31,26 +31,80 @@ def is_container(m: nn.Module) -> bool:
     return isinstance(m, CONTAINERS) and type(m).forward is nn.Module.forward
 
 
-def _default_units(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
-    """Each direct child with parameters; a container child (``ModuleList`` of blocks)
-    is replaced by its own children, recursively. A ``ParameterList``/``ParameterDict``
-    child is left to its parent's unit."""
+_LISTS = (nn.ModuleList, nn.ModuleDict)
+
+
+def _outermost(module: nn.Module, prefix: str, pick) -> list[tuple[str, nn.Module]]:
+    """The outermost submodules (below ``module``) for which ``pick(module)`` is true."""
     chosen = []
     for name, child in module.named_children():
         path = prefix + name
-        if not any(True for _ in child.parameters()) or isinstance(child, (nn.ParameterList, nn.ParameterDict)):
+        if pick(child):
+            chosen.append((path, child))
+        else:
+            chosen += _outermost(child, path + ".", pick)
+    return chosen
+
+
+def _has_params(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters())
+
+
+def _no_split_classes(model: nn.Module) -> tuple[type, ...]:
+    """The classes named in the model's ``_no_split_modules`` (Hugging Face's list of its
+    repeated blocks, which Accelerate and FSDP auto-wrap use as their unit)."""
+    names = getattr(model, "_no_split_modules", None)
+    if not names or isinstance(names, str):
+        return ()
+    names = set(names)
+    return tuple({type(m) for m in model.modules() if m is not model and type(m).__name__ in names})
+
+
+def _container_entries(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """The entries (with parameters) of every ``ModuleList``/``ModuleDict`` anywhere below
+    ``module``, the outermost ones: a list inside a list is looked into."""
+    chosen = []
+    for name, child in module.named_children():
+        path = prefix + name
+        if isinstance(module, _LISTS) and not isinstance(child, _LISTS):
+            if _has_params(child):
+                chosen.append((path, child))
+        else:
+            chosen += _container_entries(child, path + ".")
+    return chosen
+
+
+def _direct_children(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """Each direct child with parameters; a container child is replaced by its own children,
+    recursively. A ``ParameterList``/``ParameterDict`` child is left to its parent's unit."""
+    chosen = []
+    for name, child in module.named_children():
+        path = prefix + name
+        if not _has_params(child) or isinstance(child, (nn.ParameterList, nn.ParameterDict)):
             continue
         if is_container(child):
-            chosen += _default_units(child, path + ".")
+            chosen += _direct_children(child, path + ".")
         else:
             chosen.append((path, child))
     return chosen
 
 
+def _default_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The repeated blocks: the classes of ``model._no_split_modules`` where the model has
+    them, else the entries of ``ModuleList``s/``ModuleDict``s anywhere in the tree, else each
+    direct child with parameters. The root unit takes what is left."""
+    classes = _no_split_classes(model)
+    if classes:
+        chosen = [(p, m) for p, m in _outermost(model, "", lambda m: isinstance(m, classes)) if _has_params(m)]
+        if chosen:
+            return chosen
+    chosen = _container_entries(model)
+    return chosen or _direct_children(model)
+
+
 def select_units(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
-    """``units``: None (each direct child with parameters, containers such as a
-    ``ModuleList`` replaced by their elements), a list of submodules, or a list/tuple
-    of module classes (every submodule of those types)."""
+    """``units``: None (the repeated blocks, see :func:`_default_units`), a list of
+    submodules, or a list/tuple of module classes (every submodule of those types)."""
     paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
     if units is None:
         chosen = _default_units(model)
@@ -104,7 +158,7 @@ def build_units(model: nn.Module, units) -> list[Unit]:
     A parameter belongs to the innermost unit containing its first name (as
     ``named_parameters`` reports it); a unit that reaches a parameter owned by
     another unit (tied weights) *uses* it and gathers that unit's group too.
-    Parameters outside every unit form the root unit.
+    Parameters outside every unit form the root unit (present even when it owns none).
     """
     chosen = select_units(model, units)
     by_path = {path: Unit(path, m) for path, m in chosen}
@@ -125,7 +179,7 @@ def build_units(model: nn.Module, units) -> list[Unit]:
             seen.add(id(p))
             unit.used.append(p)
     ordered = [by_path[""]] + [by_path[p] for p, _ in chosen if p]
-    result = [u for u in ordered if u.used]
+    result = [u for u in ordered if u.used or not u.path]  # the root always: its forward may read others' parameters
     for i, u in enumerate(result):
         u.index = i
     return result
