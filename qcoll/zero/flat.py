@@ -6,22 +6,15 @@ Layout: the parameters are concatenated (row-major, in registration order) into
 ``Shard(0)`` of length ``total`` (so checkpoints reshard across world sizes).
 The tail of the last shards is zero padding; it stays zero (its gradient is 0).
 
-The module's parameters keep their identity (tied weights, user references). A
-gather lands in ``full``, a ``world * S`` buffer in the compute dtype, and is copied
-out into one storage per parameter (``data[i]``), after which ``full`` is freed, as
-FSDP2's all-gather output is copied out into its unsharded parameters. While the
-group is gathered each parameter's ``.data`` is its ``data[i]``; otherwise those
-storages are resized to 0 and each parameter's ``.data`` is an empty tensor (numel 0,
-the compute dtype, the device), as FSDP's ``use_orig_params`` does: reading a
-released parameter gives an empty tensor or a shape error, never memory that is gone.
-
-One storage per parameter, not views of one buffer, is what keeps compiled graphs
-valid: AOTAutograd turns graph inputs that share a storage into views of a synthetic
-base, so the backward's saved tensors would share ``full``'s version counter, and the
-backward gather writing into ``full`` would invalidate them. Each parameter keeps its
-own version counter (writes go through ``data[i]``, never through the parameter), and
-autograd's saved parameters and views of them see the values again once the backward
-pass has gathered the group.
+The module's parameters keep their identity (tied weights, user references). While
+the group is gathered their ``.data`` are views into ``full``, a ``world * S`` buffer
+in the compute dtype; otherwise ``full``'s storage is resized to 0 and each
+parameter's ``.data`` is an empty tensor (numel 0, the compute dtype, the device), as
+FSDP's ``use_orig_params`` does: reading a released parameter gives an empty tensor
+or a shape error, never memory that is gone. A parameter keeps its own version counter
+across ``.data`` swaps (the gathers write through ``full``, never through the
+parameter), so autograd's saved parameters and views of them, in eager and compiled
+graphs alike, see the values again once the backward pass has gathered the group.
 """
 from __future__ import annotations
 
@@ -60,7 +53,8 @@ class FlatGroup:
         self.master = nn.Parameter(full[r * S:(r + 1) * S].clone(), requires_grad=self.trainable)
         del full
         self.full = torch.empty(W * S, dtype=config.dtype, device=self.master.device)
-        self.data = [torch.empty(shape, dtype=config.dtype, device=self.master.device) for shape in self.shapes]
+        self.views = [self.full[off:off + n].view(shape)
+                      for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
         self.released = self.full.new_empty(0)
         self._free_storage()
         self.secondary = SecondaryShard(topology) if config.hpz else None
@@ -72,30 +66,21 @@ class FlatGroup:
         self.reduce_launched = False
 
     # ------------------------------------------------------------------ storage
-    @staticmethod
-    def _alloc(t: torch.Tensor) -> None:
-        nbytes = t.numel() * t.element_size()
-        if t.untyped_storage().nbytes() != nbytes:
-            t.untyped_storage().resize_(nbytes)
-
     def _alloc_storage(self) -> None:
-        self._alloc(self.full)
-
-    def _copy_out(self) -> None:
-        """Copy the gathered ``full`` into the parameters' own storages and free it."""
-        for t in self.data:
-            self._alloc(t)
-        torch.split_with_sizes_copy(self.full[: self.total], self.numels, out=[t.view(-1) for t in self.data])
-        self.full.untyped_storage().resize_(0)
-        for p, t in zip(self.params, self.data):
-            p.data = t
+        nbytes = self.full.numel() * self.full.element_size()
+        if self.full.untyped_storage().nbytes() != nbytes:
+            self.full.untyped_storage().resize_(nbytes)
+        for p, view in zip(self.params, self.views):
+            p.data = view
 
     def _free_storage(self) -> None:
         self.full.untyped_storage().resize_(0)
         for p in self.params:
             p.data = self.released
-        for t in self.data:
-            t.untyped_storage().resize_(0)
+
+    def gathered_nbytes(self) -> int:
+        """Bytes of full parameters this group holds now (in flight or gathered)."""
+        return self.full.untyped_storage().nbytes()
 
     # ------------------------------------------------------------------ gather
     def start_gather(self, backward: bool) -> None:
@@ -121,7 +106,6 @@ class FlatGroup:
         self.start_gather(backward)
         self.pending.wait()
         self.pending = None
-        self._copy_out()
         self.gathered = True
 
     def maybe_free(self) -> None:
@@ -131,7 +115,7 @@ class FlatGroup:
         if self.pending is not None:
             self.pending.wait()
             self.pending = None
-        if self.gathered or self.full.untyped_storage().nbytes() or self.data[0].untyped_storage().nbytes():
+        if self.gathered or self.full.untyped_storage().nbytes():
             self._free_storage()
             self.gathered = False
 
