@@ -83,6 +83,7 @@ class Engine:
         self._in_forward = False
         self._probe = None
         self.busy = False                  # inside the engine's own hooks (the probe looks away)
+        self.peak_gathered_bytes = 0       # most full-parameter bytes held at once (after each gather)
         self._group_of = {id(p): g for g in groups for p in g.params}
         self._hooks = [
             root.register_forward_pre_hook(torch.compiler.disable(self._begin_forward), prepend=True,
@@ -151,6 +152,7 @@ class Engine:
             unit.groups.append(group)
             group.forward_users += 1
         group.ensure_gathered(backward=False)
+        self._record_gathered()
 
     @_engine_hook
     def _pre_forward(self, unit: Unit, module, args):
@@ -164,6 +166,7 @@ class Engine:
         for nxt in self.last_order[call + 1: call + 1 + self.config.prefetch]:
             for g in nxt.groups:
                 g.start_gather(backward=False)
+        self._record_gathered()
 
     @_engine_hook
     def _post_forward(self, unit: Unit, module, args, output):
@@ -193,6 +196,10 @@ class Engine:
             for g in prev.groups:
                 if not g.reduce_launched:
                     g.start_gather(backward=True)
+        self._record_gathered()
+
+    def _record_gathered(self) -> None:
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(g.gathered_nbytes() for g in self.groups))
 
     def _grad_ready(self, group: FlatGroup, param) -> None:
         if not self.sync_grads or group.reduce_launched:

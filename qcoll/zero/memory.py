@@ -19,7 +19,8 @@ def _nbytes(tensors) -> int:
 
 def memory_report(model, optimizer=None) -> dict:
     """Bytes this rank holds now: fp32 master shards, their gradients, the inner
-    optimizer's state, hpZ secondary shards, gathered full parameters, and what
+    optimizer's state, hpZ secondary shards, gathered full parameters (now, and the
+    most held at once since sharding: ``gathered_peak``), and what
     ZeRO-3's rule predicts (``16 x params / world`` for fp32 Adam, plus
     ``params / L x bits / 8`` for the hpZ secondary while it is held)."""
     state = state_of(model)
@@ -33,7 +34,8 @@ def memory_report(model, optimizer=None) -> dict:
         "grad": _nbytes(g.master.grad for g in groups),
         "optimizer_state": 0,
         "secondary": _nbytes(g.secondary.data for g in groups if g.secondary is not None),
-        "gathered": _nbytes(g.full for g in groups),
+        "gathered": sum(g.gathered_nbytes() for g in groups),
+        "gathered_peak": state.engine.peak_gathered_bytes,
     }
     if optimizer is not None:
         report["optimizer_state"] = _nbytes(v for s in optimizer.optimizer.state.values() for v in s.values())

@@ -47,11 +47,15 @@ class LossScaler:
         self.value, self._clean = float(state["value"]), int(state["clean"])
 
 
-class Optimizer:
+class Optimizer(torch.optim.Optimizer):
     """Step ``optimizer_class`` (e.g. ``torch.optim.AdamW``) on the master shards of ``model``.
 
-    ``model`` must come from :func:`qcoll.zero.shard`. The inner torch optimizer is
-    ``.optimizer`` (give it to LR schedulers). Each flat shard is one parameter
+    ``model`` must come from :func:`qcoll.zero.shard`. A ``torch.optim.Optimizer``:
+    LR schedulers and anything else that checks for one take it as it is. Its
+    ``param_groups`` and ``state`` are those of the inner torch optimizer
+    (``.optimizer``), so a scheduler's learning rate is the one that steps; step
+    pre/post hooks run around :meth:`step`; ``state_dict`` is this rank's shard of the
+    optimizer state (use :func:`qcoll.zero.save` for checkpoints). Each flat shard is one parameter
     of the inner optimizer, so per-parameter options (e.g. no weight decay on
     biases) apply per unit, and optimizers that need per-tensor norms (LAMB) see
     shards, not tensors.
@@ -72,17 +76,37 @@ class Optimizer:
         if not self.masters:
             raise ValueError("model has no trainable parameters")
         self.optimizer = optimizer_class(self.masters, **kwargs)
+        super().__init__(self.masters, self.optimizer.defaults)  # hooks, profiling of step
+        self._share_inner()
         self.loss_scaler = loss_scaler
         self.skipped_steps = 0
         self.last_step_skipped = False
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
+    def _share_inner(self) -> None:
+        """One set of param groups and state: the inner optimizer's."""
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
 
-    @property
-    def state(self):
-        return self.optimizer.state
+    def state_dict(self) -> dict:
+        """This rank's optimizer state (torch's format, over its master shards), plus
+        the skipped-step count and the loss scaler under ``"qcoll"``."""
+        out = super().state_dict()
+        out["qcoll"] = {"skipped_steps": self.skipped_steps,
+                        "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load what :meth:`state_dict` returned on this rank (same world size)."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("qcoll", None)
+        self.optimizer.load_state_dict(state_dict)
+        self._share_inner()
+        if extra is not None:
+            self.skipped_steps = int(extra["skipped_steps"])
+            if self.loss_scaler is not None and extra["loss_scaler"] is not None:
+                self.loss_scaler.load_state_dict(extra["loss_scaler"])
 
     def _found_inf(self) -> bool:
         local = torch.zeros(1)
@@ -94,7 +118,8 @@ class Optimizer:
         return bool(local.item())
 
     def step(self, closure=None) -> bool:
-        """Update the master shards; False when skipped for non-finite gradients."""
+        """Update the master shards; False when skipped for non-finite gradients
+        (True otherwise, where torch's optimizers return the closure's loss)."""
         if closure is not None:
             raise ValueError("closure is not supported by qcoll.zero.Optimizer")
         state_of(self.model).engine.wait_reduces()

@@ -1,0 +1,181 @@
+"""qcoll.zero on models as users bring them: torch.compile, the module stays the user's
+(a Hugging Face decoder's ``generate``), block-level default units, a forward that reads
+another unit's parameter, and torch's LR schedulers on qcoll's optimizer.
+
+Oracles: the eager sharded run (for compile), the unsharded model in one process
+(generate, training with a parameter read across units, schedulers).
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import qcoll
+from qcoll import zero
+from qcoll.bench.textdata import Batches
+
+from zero_helpers import data, global_loss, tiny_model
+
+BATCH = 8
+
+
+# ---------------------------------------------------------------------------- torch.compile
+def _compiled_losses(rank, world, mode):
+    topo = qcoll.Topology(1)  # 2 nodes of 1 rank: qwZ and qgZ cross "nodes"
+    model = tiny_model(0)
+    if mode == "blocks":  # FSDP2's recommended pattern: compile each block, then shard
+        for block in model.blocks:
+            block.compile()
+    m = zero.shard(model, topo, zero.ZeroConfig(), units=model.units())
+    run = torch.compile(m) if mode == "whole" else m
+    opt = zero.Optimizer(m, torch.optim.AdamW, lr=3e-3)
+    batches = Batches(data(), BATCH, model.cfg.context, 7)
+    losses = []
+    for _ in range(3):
+        x, y = batches.next(rank, world)
+        loss = run(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_loss(loss))
+    return losses
+
+
+def test_torch_compile_whole_model_and_blocks_match_eager(ranks2):
+    """torch.compile (default backend, inductor) of the sharded model, and blocks compiled
+    before sharding, train like the eager sharded model (ZeRO++ 8/4 with hpZ)."""
+    eager = ranks2.run(_compiled_losses, "eager", timeout=120)[0]
+    for mode in ("whole", "blocks"):
+        got = ranks2.run(_compiled_losses, mode, timeout=300)[0]
+        torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5, msg=mode)
+
+
+# ---------------------------------------------------------------------------- a Hugging Face decoder
+def _tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=96, n_positions=48, bos_token_id=0, eos_token_id=1,
+                     pad_token_id=1)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def _hf_sharded(rank, world):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    plain = _tiny_gpt2()
+    model = copy.deepcopy(plain)
+    sharded = zero.shard(model, qcoll.Topology(2), zero.ZeroConfig.zero3())
+    prompt = torch.tensor([[5, 17, 3, 42, 8]])
+    with torch.no_grad():
+        want = plain.generate(prompt, max_new_tokens=12, do_sample=False)
+        got = sharded.generate(prompt, max_new_tokens=12, do_sample=False)
+    units = [u.path for u in zero.state_of(sharded).units]
+    full, ref = sharded.state_dict(), plain.state_dict()
+    same_state = set(full) == set(ref) and all(torch.equal(full[k], ref[k]) for k in ref)
+    return (sharded is model, isinstance(sharded, GPT2LMHeadModel), isinstance(sharded.config, GPT2Config),
+            got.tolist(), want.tolist(), units, same_state)
+
+
+def test_hf_decoder_stays_the_users_model_and_generates_the_same_tokens(ranks4):
+    pytest.importorskip("transformers", reason="transformers is a test extra (pip install -e '.[test]')")
+    for in_place, is_gpt2, has_config, got, want, units, same_state in ranks4.run(_hf_sharded, timeout=180):
+        assert in_place and is_gpt2 and has_config
+        assert got == want  # greedy tokens, plain ZeRO-3 config
+        # default units: the model's _no_split_modules (GPT2Block); the root takes the rest
+        assert units == ["", "transformer.h.0", "transformer.h.1", "transformer.h.2"]
+        assert same_state  # state_dict() is the full, unsharded state
+
+
+# ---------------------------------------------------------------------------- a parameter read across units
+class TiedInParent(nn.Module):
+    """The head is computed in the parent from the embedding unit's weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2))
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        for b in self.blocks:
+            h = b(h)
+        return h @ self.emb.weight.T
+
+
+def _cross_unit_training(rank, world):
+    torch.manual_seed(0)
+    plain = TiedInParent()
+    model = copy.deepcopy(plain)
+    model = zero.shard(model, qcoll.Topology(2), zero.ZeroConfig.zero3(), units=[model.emb, *model.blocks])
+    opt = zero.Optimizer(model, torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(3)
+    worst = 0.0
+    for _ in range(3):  # the first forward finds the parameter; later ones gather it up front
+        idx = torch.randint(0, 32, (world * 2, 5), generator=gen)
+        target = torch.randint(0, 32, (world * 2, 5), generator=gen)
+        mine = slice(rank * 2, rank * 2 + 2)
+        loss = nn.functional.cross_entropy(model(idx[mine]).reshape(-1, 32), target[mine].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref = nn.functional.cross_entropy(plain(idx).reshape(-1, 32), target.reshape(-1))
+        ref.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        worst = max(worst, abs(global_loss(loss) - float(ref)))
+    got, want = model.state_dict(), plain.state_dict()
+    return worst, max(float((got[k] - want[k]).abs().max()) for k in want)
+
+
+def test_a_forward_reading_another_units_parameter_trains_like_the_plain_model(ranks4):
+    for loss_diff, state_diff in ranks4.run(_cross_unit_training, timeout=90):
+        assert loss_diff < 1e-5 and state_diff < 1e-5, (loss_diff, state_diff)
+
+
+# ---------------------------------------------------------------------------- torch's LR schedulers
+def _scheduled(rank, world):
+    model = tiny_model(0)
+    plain = copy.deepcopy(model)
+    m = zero.shard(model, qcoll.Topology(2), zero.ZeroConfig.zero3(), units=model.units())
+    opt = zero.Optimizer(m, torch.optim.SGD, lr=0.5, momentum=0.9)
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    ref_opt = torch.optim.SGD(plain.parameters(), lr=0.5, momentum=0.9)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 0.5 ** s)
+    batches = Batches(data(), BATCH, 32, 4)
+    for _ in range(3):
+        x, y = batches.next()
+        mine = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        m(x[mine], y[mine]).backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        plain(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        ref_opt.step()
+        ref_sched.step()
+        ref_opt.zero_grad()
+    got, want = m.state_dict(), plain.state_dict()
+    diff = max(float((got[k] - want[k]).abs().max()) for k in want)
+    saved = opt.state_dict()
+    lrs = [pg["lr"] for pg in opt.optimizer.param_groups]
+    opt2 = zero.Optimizer(m, torch.optim.SGD, lr=0.5, momentum=0.9)
+    opt2.load_state_dict(saved)
+    restored = all(torch.equal(opt2.state[p]["momentum_buffer"], opt.state[p]["momentum_buffer"])
+                   for p in opt.masters) and [pg["lr"] for pg in opt2.param_groups] == lrs
+    return isinstance(opt, torch.optim.Optimizer), diff, lrs, calls, restored
+
+
+def test_lr_scheduler_and_hooks_work_on_the_optimizer(ranks4):
+    for is_torch_optimizer, diff, lrs, calls, restored in ranks4.run(_scheduled, timeout=90):
+        assert is_torch_optimizer
+        assert diff < 1e-5, diff  # with clipping and a schedule, the same model as plain torch
+        assert lrs == [0.5 * 0.5 ** 3] * len(lrs)  # the scheduler's rate is the one that steps
+        assert calls == ["pre", "post"] * 3
+        assert restored
