@@ -5,7 +5,8 @@ Run: python bench/gathered_peak.py [--nproc 4] [--ranks-per-node 2] [--layers 12
      [--vocab 50257 1024]
 Needs transformers (the test extra). One forward+backward of a batch of 2 x 64 tokens per
 rank, plain ZeRO-3 config (fp32 gathers), prefetch 1; prints, per vocabulary size, the
-parameter count, each layout's units and peak gathered bytes (``memory_report``'s
+parameter count, each layout's units (the whole body; the default blocks; the blocks plus the
+tied embedding and head as units of their own) and peak gathered bytes (``memory_report``'s
 ``gathered_peak``: full parameters held at once, sampled after every gather) and their ratio.
 """
 from __future__ import annotations
@@ -46,10 +47,14 @@ def _main(args) -> None:
         before = copy.deepcopy(base)
         whole, n_whole = _peak(before, topo, [before.transformer, before.lm_head])
         blocks, n_blocks = _peak(copy.deepcopy(base), topo, None)
+        split = copy.deepcopy(base)
+        block_class = type(split.transformer.h[0])
+        emb, n_emb = _peak(split, topo, [split.transformer.wte, split.lm_head, block_class])
         if dist.get_rank() == 0:
             print(f"vocab {vocab}: {params / 1e6:.2f} M parameters ({params * 4 / 2**20:.1f} MiB fp32); "
                   f"whole body ({n_whole} units) peak {whole / 2**20:.1f} MiB; default block units ({n_blocks} units) "
-                  f"peak {blocks / 2**20:.1f} MiB; ratio {blocks / whole:.3f}", flush=True)
+                  f"peak {blocks / 2**20:.1f} MiB, ratio {blocks / whole:.3f}; blocks + embedding and head units "
+                  f"({n_emb} units) peak {emb / 2**20:.1f} MiB, ratio {emb / whole:.3f}", flush=True)
 
 
 def main(argv=None) -> None:
