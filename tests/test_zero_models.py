@@ -179,3 +179,36 @@ def test_lr_scheduler_and_hooks_work_on_the_optimizer(ranks4):
         assert lrs == [0.5 * 0.5 ** 3] * len(lrs)  # the scheduler's rate is the one that steps
         assert calls == ["pre", "post"] * 3
         assert restored
+
+
+# ---------------------------------------------------------------------------- BERT, gradient checkpointing
+def _bert_checkpointed(rank, world):
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    cfg = BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                     vocab_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    plain = BertForMaskedLM(cfg)
+    plain.gradient_checkpointing_enable()
+    model = zero.shard(copy.deepcopy(plain), qcoll.Topology(2), zero.ZeroConfig.zero3())
+    opt = zero.Optimizer(model, torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        ids = torch.randint(0, 64, (world, 12), generator=gen)
+        model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        plain(input_ids=ids, labels=ids).loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    got, want = model.state_dict(), plain.state_dict()
+    return [u.path for u in zero.state_of(model).units], max(float((got[k] - want[k]).abs().max()) for k in want)
+
+
+def test_bert_with_gradient_checkpointing_trains_like_the_plain_model(ranks4):
+    pytest.importorskip("transformers", reason="transformers is a test extra (pip install -e '.[test]')")
+    for units, diff in ranks4.run(_bert_checkpointed, timeout=180):
+        assert units == ["", "bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1"]
+        assert diff < 1e-5, diff
