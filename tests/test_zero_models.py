@@ -212,3 +212,25 @@ def test_bert_with_gradient_checkpointing_trains_like_the_plain_model(ranks4):
     for units, diff in ranks4.run(_bert_checkpointed, timeout=180):
         assert units == ["", "bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1"]
         assert diff < 1e-5, diff
+
+
+# ---------------------------------------------------------------------------- a forward that raises
+def _raising_forward(rank, world):
+    model = tiny_model(0)
+    m = zero.shard(model, qcoll.Topology(2), zero.ZeroConfig(), units=model.units())
+    state = zero.state_of(m)
+    bad = torch.zeros(2, model.cfg.context + 5, dtype=torch.long)  # longer than the positions: raises in the root
+    for _ in range(2):  # the first forward (with its probe) and a later one
+        with pytest.raises(RuntimeError):
+            m(bad, bad)
+    held = sum(g.gathered_nbytes() for g in state.groups)
+    modes = torch._C._len_torch_function_stack()
+    x, y = Batches(data(), BATCH, model.cfg.context, 2).next(rank, world)
+    loss = m(x, y)
+    loss.backward()
+    return held, modes, bool(torch.isfinite(loss)), sum(g.gathered_nbytes() for g in state.groups)
+
+
+def test_a_forward_that_raises_leaves_nothing_gathered_and_no_probe(ranks4):
+    for held, modes, finite, held_after in ranks4.run(_raising_forward, timeout=60):
+        assert held == 0 and modes == 0 and finite and held_after == 0

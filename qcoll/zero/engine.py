@@ -100,11 +100,12 @@ class Engine:
             if g.trainable:
                 for p in g.params:
                     self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, g)))
-        self._hooks.append(root.register_forward_hook(torch.compiler.disable(self._end_forward)))
+        # always_call: also when the forward raised (then some units never ended: reset them)
+        self._hooks.append(root.register_forward_hook(torch.compiler.disable(self._end_forward), always_call=True))
 
     # ------------------------------------------------------------------ forward
     def _begin_forward(self, module, args, kwargs):
-        if self._in_forward:  # the previous forward raised: its units never ended
+        if self._in_forward:  # the previous forward raised where the end hook does not run (compiled)
             self._reset_forward()
         self._in_forward = True
         if self.order:
@@ -122,6 +123,8 @@ class Engine:
 
     @_engine_hook
     def _end_forward(self, module, args, output):
+        if self.running:  # the forward raised inside a unit
+            self._reset_forward()
         self._stop_probe()
         self._in_forward = False
         for g in self.groups:
