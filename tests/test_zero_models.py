@@ -234,3 +234,24 @@ def _raising_forward(rank, world):
 def test_a_forward_that_raises_leaves_nothing_gathered_and_no_probe(ranks4):
     for held, modes, finite, held_after in ranks4.run(_raising_forward, timeout=60):
         assert held == 0 and modes == 0 and finite and held_after == 0
+
+
+# ---------------------------------------------------------------------------- bf16 compute
+def _bf16_compute(rank, world):
+    model = tiny_model(0)
+    plain = copy.deepcopy(model).to(torch.bfloat16)
+    m = zero.shard(model, qcoll.Topology(2), zero.ZeroConfig.zero3(compute_dtype=torch.bfloat16))
+    x, y = Batches(data(), BATCH, model.cfg.context, 9).next(rank, world)
+    logits = m(x)  # token ids stay integers
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    plain_net = copy.deepcopy(net).to(torch.bfloat16)
+    zero.shard(net, qcoll.Topology(2), zero.ZeroConfig.zero3(compute_dtype=torch.bfloat16))
+    h = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))  # fp32: the root's pre-hook casts it
+    out = net(h)
+    return logits.dtype, torch.equal(logits, plain(x)), out.dtype, torch.equal(out, plain_net(h.bfloat16()))
+
+
+def test_bf16_compute_gathers_and_runs_in_bf16(ranks4):
+    for dtype, same, net_dtype, net_same in ranks4.run(_bf16_compute, timeout=60):
+        assert dtype == torch.bfloat16 and same and net_dtype == torch.bfloat16 and net_same
