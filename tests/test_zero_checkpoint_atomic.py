@@ -392,6 +392,9 @@ def test_replace_refuses_what_is_not_a_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="not a directory"):
         atomic_dir.resolve_load(str(tmp_path / "file"))
     assert sorted(os.listdir(tmp_path)) == ["file", "metadata-and-more", "no-metadata", "notes"]  # no temporaries
+    if os.path.ismount("/proc"):  # a mount point cannot be renamed over: refused before anything is written
+        with pytest.raises(ValueError, match="checkpoint_dir '/proc' is a mount point"):
+            atomic_dir.prepare_save("/proc")
     # an empty directory and a missing one are fine to save into
     (tmp_path / "empty").mkdir()
     for d in ("empty", "new/deeper"):

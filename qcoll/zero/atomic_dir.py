@@ -162,12 +162,19 @@ def recover(names: _Names) -> None:
         discard(names.backup)
 
 
+def _show(given: str, target: str) -> str:
+    return repr(given) if os.path.abspath(given) == target else f"{given!r} ({target})"
+
+
 def _check_replaceable(names: _Names, shown: str) -> None:
     target = names.target
     if not os.path.lexists(target):
         return
     if not os.path.isdir(target):
         raise ValueError(f"checkpoint_dir {shown!r} exists and is not a directory; refusing to replace it")
+    if os.path.ismount(target):
+        raise ValueError(f"checkpoint_dir {shown!r} is a mount point: a save replaces the whole directory by "
+                         "renaming a sibling onto it; save into a directory inside it")
     entries = os.listdir(target)
     if not entries:
         return
@@ -175,7 +182,7 @@ def _check_replaceable(names: _Names, shown: str) -> None:
     if others or METADATA not in entries:
         what = f"it holds {', '.join(map(repr, others[:5]))}{' ...' if len(others) > 5 else ''}" if others \
             else f"it has no {METADATA}"
-        raise ValueError(f"checkpoint_dir {shown!r} ({target}) exists and is not a checkpoint ({what}); refusing "
+        raise ValueError(f"checkpoint_dir {_show(shown, target)} exists and is not a checkpoint ({what}); refusing "
                          "to replace it: a save replaces the whole directory. Choose another checkpoint_dir or "
                          "move its contents away")
 
@@ -265,7 +272,7 @@ def resolve_load(checkpoint_dir: str) -> str:
     if not os.path.lexists(names.target):
         raise FileNotFoundError(errno.ENOENT, f"checkpoint_dir {checkpoint_dir!r} does not exist", names.target)
     if not os.path.isdir(names.target):
-        raise ValueError(f"checkpoint_dir {checkpoint_dir!r} ({names.target}) is not a directory")
+        raise ValueError(f"checkpoint_dir {_show(checkpoint_dir, names.target)} is not a directory")
     if not is_checkpoint(names.target):
         raise FileNotFoundError(errno.ENOENT, f"checkpoint_dir {checkpoint_dir!r} holds no checkpoint "
                                 f"(no {METADATA})", names.target)
