@@ -4,8 +4,9 @@
 group alive across tests (starting torch in a process costs seconds), runs
 picklable module-level functions ``fn(rank, world, *args)`` on all of them, and
 returns the per-rank results. A rank's exception is re-raised in the test with
-its traceback; a run that exceeds its timeout kills the pool (a fresh one starts
-on the next run), so nothing ever hangs.
+its traceback; a run that exceeds its timeout (per result), or in which a rank dies
+and all the others have answered, kills the pool (a fresh one starts on the next
+run), so nothing ever hangs.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import datetime
 import os
 import queue
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -80,14 +82,21 @@ class RankPool:
         for q in self._tasks:
             q.put((fn, args))
         got, errors = {}, {}
-        try:
-            for _ in range(self.world):
-                rank, status, value = self._results.get(timeout=timeout)
-                (got if status == "ok" else errors)[rank] = value
-        except queue.Empty:
-            self.close()
-            raise RankFailure(f"ranks {sorted(set(range(self.world)) - set(got) - set(errors))} did not finish "
-                              f"{fn.__name__} within {timeout}s; errors so far: {errors}", got, errors, False) from None
+        deadline = time.monotonic() + timeout
+        while len(got) + len(errors) < self.world:
+            try:
+                rank, status, value = self._results.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            except queue.Empty:
+                missing = sorted(set(range(self.world)) - set(got) - set(errors))
+                dead = {r: self._procs[r].exitcode for r in missing if not self._procs[r].is_alive()}
+                if time.monotonic() < deadline and len(dead) < len(missing):
+                    continue  # a rank still running may yet answer (the survivors of a dead rank fail by timeout)
+                self.close()
+                why = f"died (exit codes {dead})" if len(dead) == len(missing) else \
+                    f"did not finish {fn.__name__} within {timeout}s" + (f" (dead: {dead})" if dead else "")
+                raise RankFailure(f"ranks {missing} {why}; errors so far: {errors}", got, errors, False) from None
+            deadline = time.monotonic() + timeout
+            (got if status == "ok" else errors)[rank] = value
         if errors:
             first = min(errors)
             raise RankFailure(f"{fn.__name__} failed on ranks {sorted(errors)}; rank {first}:\n{errors[first]}",

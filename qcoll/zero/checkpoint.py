@@ -7,8 +7,14 @@ ranks loads into 2 (or any other world size). Scalars (Adam's ``step``), buffers
 the engine's micro-step counter (stochastic-rounding seeds) and the loss scaler
 are saved as replicated values, so a resume in the same world size continues
 bit-identically.
+
+A save replaces its directory atomically (:mod:`qcoll.zero.atomic_dir`): the ranks write
+into a fresh sibling directory and rank 0 moves it into place once all have written, so a
+crash at any point leaves the previous checkpoint or the new one, never a mix.
 """
 from __future__ import annotations
+
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -16,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from . import atomic_dir
 from .state import state_of
 from .optimizer import Optimizer
 
@@ -90,26 +97,87 @@ def _check(model, optimizer):
         raise TypeError("optimizer must be the qcoll.zero.Optimizer of this model")
 
 
+def _on_rank0(fn, *args):
+    """``fn(*args)`` on rank 0, its result (or its exception) broadcast: every rank returns it or raises."""
+    box = [None]
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = (True, fn(*args))
+        except Exception as e:
+            error = e
+            try:
+                pickle.loads(pickle.dumps(e))
+                box[0] = (False, e)
+            except Exception:
+                box[0] = (False, RuntimeError(f"{type(e).__name__}: {e}"))
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    ok, value = box[0]
+    if not ok:
+        if hasattr(value, "add_note"):
+            value.add_note("(raised on rank 0, which handles the checkpoint directory)")
+        raise value
+    return value
+
+
+def _install(tmp: str, path: str):
+    try:
+        return atomic_dir.install(tmp, path)
+    except BaseException:
+        atomic_dir.discard(tmp)  # gone already if it was moved into place before the error
+        raise
+
+
 def save(checkpoint_dir, model, optimizer: Optimizer | None = None) -> None:
-    """Save the sharded model (and optimizer) state to ``checkpoint_dir`` (collective)."""
+    """Save the sharded model (and optimizer) state to ``checkpoint_dir`` (collective).
+
+    ``checkpoint_dir`` (a str or os.PathLike) is replaced as a whole and atomically: every rank
+    writes into a fresh sibling directory, and once all have written, rank 0 moves it into place
+    (see :mod:`qcoll.zero.atomic_dir`). At every instant ``checkpoint_dir`` holds a complete
+    checkpoint, the previous one until the move and the new one after, whichever rank dies
+    when. A failure on rank 0 raises on every rank. All ranks must see the same filesystem at
+    the same path (a local disk for one node, a shared filesystem such as NFS or Lustre across
+    nodes) and the parent directory must be writable. An existing ``checkpoint_dir`` that is not
+    empty and not a checkpoint is refused with a ValueError, untouched. One save at a time per
+    directory.
+    """
     _check(model, optimizer)
+    path = atomic_dir.checkpoint_path(checkpoint_dir)
     state_of(model).engine.wait_reduces()
-    state = {"model": _model_state(model), "engine": {"micro_step": torch.tensor(state_of(model).engine.micro_step)}}
-    if optimizer is not None:
-        _ensure_optimizer_state(optimizer)
-        state["optim"] = _optimizer_state(optimizer)
-    dcp.save(state, checkpoint_id=str(checkpoint_dir))
+    tmp = _on_rank0(atomic_dir.prepare_save, path)
+    try:
+        state = {"model": _model_state(model), "engine": {"micro_step": torch.tensor(state_of(model).engine.micro_step)}}
+        if optimizer is not None:
+            _ensure_optimizer_state(optimizer)
+            state["optim"] = _optimizer_state(optimizer)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, overwrite=False))
+        dist.barrier()  # every rank's files are written and synced before rank 0 moves the directory
+    except BaseException:
+        if dist.get_rank() == 0:
+            atomic_dir.discard(tmp)
+        raise
+    superseded = _on_rank0(_install, tmp, path)
+    if superseded is not None and dist.get_rank() == 0:
+        atomic_dir.discard(superseded)
 
 
 def load(checkpoint_dir, model, optimizer: Optimizer | None = None) -> None:
-    """Load a checkpoint written by :func:`save`, with any world size (collective)."""
+    """Load a checkpoint written by :func:`save`, with any world size (collective).
+
+    FileNotFoundError when ``checkpoint_dir`` does not exist or holds no checkpoint (on every
+    rank). If a save was cut short at the one point where ``checkpoint_dir`` is missing (the
+    fallback without an atomic exchange), the previous checkpoint is restored and loaded."""
     _check(model, optimizer)
+    path = atomic_dir.checkpoint_path(checkpoint_dir)
     state_of(model).engine.wait_reduces()
+    path = _on_rank0(atomic_dir.resolve_load, path)
     state = {"model": _model_state(model), "engine": {"micro_step": torch.tensor(0)}}
     if optimizer is not None:
         _ensure_optimizer_state(optimizer)
         state["optim"] = _optimizer_state(optimizer)
-    dcp.load(state, checkpoint_id=str(checkpoint_dir))
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path))
     groups = {g.name: g for g in state_of(model).groups}
     with torch.no_grad():
         for key, value in state["model"].items():
