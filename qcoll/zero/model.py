@@ -56,8 +56,8 @@ class ZeroModule(nn.Module):
         """The full (unsharded) state dict of the original model, parameters in their
         original dtype, on every rank (a collective over the world). Tied parameters
         stay one tensor under each of their keys."""
-        if args:  # torch's deprecated positional form (destination, prefix, keep_vars)
-            destination, prefix, keep_vars = (list(args) + [destination, prefix, keep_vars][len(args):])[:3]
+        if args:  # torch's deprecated positional form: (destination, prefix, keep_vars)
+            destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)[len(args):])
         state = state_of(self)
         managed = state.managed()
         fulls = {g.index: g.gather_full_fp32() for g in state.groups}
@@ -115,8 +115,6 @@ class ZeroModule(nn.Module):
             if g.index in fulls:
                 g.load_full_fp32(fulls[g.index])
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
-
-
 
 
 #: The name of :class:`ZeroModule` in earlier releases (a wrapper then; the module itself now).
