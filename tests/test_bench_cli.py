@@ -28,12 +28,16 @@ N = W // L                       # nodes
 SIZES = [1024, 3072, 9216]       # --min 1K --max 9K --factor 3: 64, 192, 576 elements per rank
 CHUNKS = 3
 WEIGHT_BLOCK, GRAD_BLOCK = 256, 128   # DESIGN.md defaults for weights and gradients
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 slow = pytest.mark.slow   # the tests that start 4 ranks or a subprocess
 
 
 def _env(**extra):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore")
+    """The environment of a ``python -m qcoll.bench`` subprocess.
+
+    The subprocesses run in a fresh temporary directory, never the repository root, where
+    ``-m`` would import the source tree's ``qcoll/`` over the installed package.
+    """
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
     env.pop("RANK", None)
     env.update(extra)
     return env
@@ -55,7 +59,7 @@ def sweep(tmp_path_factory):
     if _has_matplotlib():
         argv += ["--plot", str(d / "bw.png")]
     p = subprocess.run([sys.executable, "-m", "qcoll.bench", *argv], capture_output=True, text=True, timeout=180,
-                       cwd=ROOT, env=_env(QCOLL_PROGRESS="0"))
+                       cwd=d, env=_env(QCOLL_PROGRESS="0"))
     assert p.returncode == 0, p.stderr
     with open(d / "out.json") as f:
         doc = json.load(f)
@@ -240,9 +244,9 @@ def test_missing_matplotlib_is_a_usage_error(monkeypatch, capsys):
 
 
 @slow
-def test_usage_errors_of_the_module_form():
+def test_usage_errors_of_the_module_form(tmp_path):
     p = subprocess.run([sys.executable, "-m", "qcoll.bench", "collectives", "--max", "lots"], capture_output=True,
-                       text=True, timeout=60, cwd=ROOT, env=_env())
+                       text=True, timeout=60, cwd=tmp_path, env=_env())
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [
         "qcoll-bench collectives: error: argument --max/--max-size: not a size: 'lots' (use e.g. 1K, 64M, 1G) "
@@ -299,12 +303,12 @@ def _session_pids(sid: int) -> set[int]:
 
 @slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_ctrl_c_stops_every_rank_cleanly():
+def test_ctrl_c_stops_every_rank_cleanly(tmp_path):
     """SIGINT to the whole process group (what a terminal's Ctrl-C does) during the sweep: exit 130, no
     traceback from any rank, no process of the run left."""
     cmd = [sys.executable, "-m", "qcoll.bench", "collectives", "--nproc", str(W), "--ranks-per-node", str(L),
            "--min", "64K", "--max", "64M", "--iters", "50"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True,
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path, start_new_session=True,
                             env=_env(QCOLL_PROGRESS="1"))
     chunks = []
     reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stderr.read1(4096), b"")), daemon=True)
