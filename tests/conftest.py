@@ -15,20 +15,23 @@ from pathlib import Path
 
 import pytest
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.realpath(__file__))
 ROOT = os.path.dirname(TESTS)
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != ROOT]
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != ROOT]
 sys.path.insert(0, TESTS)
 
 
 def _not_this_checkout() -> str | None:
     """Why the qcoll the tests would import is not this checkout's installed package, or None."""
     spec = importlib.util.find_spec("qcoll")
-    if spec is None or importlib.util.find_spec("qcoll.bindings") is None:
-        return f"qcoll (with qcoll.bindings) is not installed in {sys.executable}"
+    if spec is None:
+        return f"qcoll is not installed in {sys.executable}"
     pkg = Path(spec.origin).resolve().parent
-    bindings = Path(importlib.util.find_spec("qcoll.bindings").origin).resolve().parent
-    if bindings == pkg.parent / "bindings" and pkg.parent != Path(ROOT).resolve():
+    bindings_spec = importlib.util.find_spec("qcoll.bindings")
+    if bindings_spec is None:
+        return f"{sys.executable} imports qcoll from {pkg}, which has no qcoll.bindings (not an installed qcoll)"
+    bindings = Path(bindings_spec.origin).resolve().parent
+    if bindings == pkg.parent / "bindings" and pkg.parent != Path(ROOT):
         return f"{sys.executable} has an editable install of another checkout, {pkg.parent}"
     return None
 
