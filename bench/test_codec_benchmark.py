@@ -2,7 +2,7 @@
 
 Run (from the repository root):
 
-    python -m pytest bench/test_codec_benchmark.py --benchmark-enable
+    pytest bench/test_codec_benchmark.py --benchmark-enable
 
 pyproject's ``addopts`` carry ``--benchmark-disable`` (so without ``--benchmark-enable``
 every case runs once, as a smoke test) and CI's ``testpaths`` are only ``tests/``,

@@ -11,6 +11,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,20 +21,24 @@ import time
 import pytest
 import torch
 
-from qcoll.bench import cli, collectives
-from qcoll.bench.progress import Progress
+from qcoll.bench import cli, collectives, progress
 
 W, L = 4, 2                      # world, ranks per node
 N = W // L                       # nodes
 SIZES = [1024, 3072, 9216]       # --min 1K --max 9K --factor 3: 64, 192, 576 elements per rank
 CHUNKS = 3
 WEIGHT_BLOCK, GRAD_BLOCK = 256, 128   # DESIGN.md defaults for weights and gradients
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 slow = pytest.mark.slow   # the tests that start 4 ranks or a subprocess
+BAR = re.compile(rb"qcoll-bench: +\d+%\|")   # the progress bar as drawn (tqdm, qcoll.bench.progress.FORMAT)
 
 
 def _env(**extra):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore")
+    """The environment of a ``python -m qcoll.bench`` subprocess.
+
+    The subprocesses run in a fresh temporary directory, never the repository root, where
+    ``-m`` would import the source tree's ``qcoll/`` over the installed package.
+    """
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
     env.pop("RANK", None)
     env.update(extra)
     return env
@@ -55,7 +60,7 @@ def sweep(tmp_path_factory):
     if _has_matplotlib():
         argv += ["--plot", str(d / "bw.png")]
     p = subprocess.run([sys.executable, "-m", "qcoll.bench", *argv], capture_output=True, text=True, timeout=180,
-                       cwd=ROOT, env=_env(QCOLL_PROGRESS="0"))
+                       cwd=d, env=_env(QCOLL_PROGRESS="0"))
     assert p.returncode == 0, p.stderr
     with open(d / "out.json") as f:
         doc = json.load(f)
@@ -240,9 +245,9 @@ def test_missing_matplotlib_is_a_usage_error(monkeypatch, capsys):
 
 
 @slow
-def test_usage_errors_of_the_module_form():
+def test_usage_errors_of_the_module_form(tmp_path):
     p = subprocess.run([sys.executable, "-m", "qcoll.bench", "collectives", "--max", "lots"], capture_output=True,
-                       text=True, timeout=60, cwd=ROOT, env=_env())
+                       text=True, timeout=60, cwd=tmp_path, env=_env())
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [
         "qcoll-bench collectives: error: argument --max/--max-size: not a size: 'lots' (use e.g. 1K, 64M, 1G) "
@@ -266,21 +271,50 @@ def test_subcommand_registry():
 
 def test_progress_bar_draws_and_erases():
     out = io.StringIO()
-    p = Progress(10, enabled=True, stream=out, delay=0, interval=0)
-    p.start("1K all_gather")
-    p.advance(5)
-    text = out.getvalue()
-    assert "50%" in text and "1K all_gather" in text and "\n" not in text
-    p.close()
-    assert out.getvalue().endswith("\r") and "\n" not in out.getvalue()
+    with progress.bar(10, enabled=True, file=out, delay=0, mininterval=0) as p:
+        p.set_postfix_str("1K all_gather fp32", refresh=False)
+        p.update(0)                       # names the running variant before any progress
+        assert "0%" in out.getvalue() and "1K all_gather fp32" in out.getvalue()
+        p.update(5)
+        text = out.getvalue()
+        assert "50%" in text and "qcoll-bench" in text and "\n" not in text
+        p.set_postfix_str("1K reduce_scatter qgZ4", refresh=False)
+        p.update(0)                       # the next variant is named as it starts, not when it ends
+        assert out.getvalue()[len(text):].count("1K reduce_scatter qgZ4") == 1
+    last = out.getvalue().rsplit("\r", 2)
+    assert out.getvalue().endswith("\r") and last[-2].strip() == "" and "\n" not in out.getvalue()   # erased
     quiet = io.StringIO()
-    with Progress(10, enabled=False, stream=quiet, delay=0) as q:
-        q.advance(10)
+    with progress.bar(10, enabled=False, file=quiet, delay=0) as q:
+        q.update(10)
     assert quiet.getvalue() == ""
     late = io.StringIO()
-    with Progress(10, enabled=True, stream=late, delay=60) as q:   # a short sweep prints nothing
-        q.advance(10)
+    with progress.bar(10, enabled=True, file=late, delay=60) as q:   # a short sweep prints nothing
+        q.set_postfix_str("1K all_gather fp32", refresh=False)
+        q.update(0)
+        q.update(10)
     assert late.getvalue() == ""
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_only_on_a_terminal_unless_told(monkeypatch):
+    monkeypatch.delenv("QCOLL_PROGRESS", raising=False)
+    assert progress.wanted(_Tty()) and not progress.wanted(io.StringIO())
+    tty = _Tty()
+    with progress.bar(10, file=tty, delay=0, mininterval=0) as p:   # enabled=None: decided by wanted()
+        p.update(5)
+    assert "50%" in tty.getvalue()
+    pipe = io.StringIO()
+    with progress.bar(10, file=pipe, delay=0, mininterval=0) as p:
+        p.update(5)
+    assert pipe.getvalue() == ""
+    monkeypatch.setenv("QCOLL_PROGRESS", "1")
+    assert progress.wanted(io.StringIO())
+    monkeypatch.setenv("QCOLL_PROGRESS", "off")
+    assert not progress.wanted(_Tty())
 
 
 def _session_pids(sid: int) -> set[int]:
@@ -299,19 +333,21 @@ def _session_pids(sid: int) -> set[int]:
 
 @slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_ctrl_c_stops_every_rank_cleanly():
+def test_ctrl_c_stops_every_rank_cleanly(tmp_path):
     """SIGINT to the whole process group (what a terminal's Ctrl-C does) during the sweep: exit 130, no
     traceback from any rank, no process of the run left."""
     cmd = [sys.executable, "-m", "qcoll.bench", "collectives", "--nproc", str(W), "--ranks-per-node", str(L),
            "--min", "64K", "--max", "64M", "--iters", "50"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True,
-                            env=_env(QCOLL_PROGRESS="1"))
+    env = _env(QCOLL_PROGRESS="1")
+    env.pop("PYTHONWARNINGS")   # as a user runs it: the resource tracker's warnings about leaks are shown
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path, start_new_session=True,
+                            env=env)
     chunks = []
     reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stderr.read1(4096), b"")), daemon=True)
     reader.start()
     try:
         deadline = time.monotonic() + 120
-        while b"qcoll-bench [" not in b"".join(chunks):   # the progress bar: rank 0 is sweeping
+        while not BAR.search(b"".join(chunks)):   # the progress bar: rank 0 is sweeping
             assert proc.poll() is None and time.monotonic() < deadline, b"".join(chunks).decode()
             time.sleep(0.2)
         assert len(_session_pids(proc.pid)) >= W + 1
@@ -325,6 +361,7 @@ def test_ctrl_c_stops_every_rank_cleanly():
     err = b"".join(chunks).decode(errors="replace")
     assert rc == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "leaked" not in err, err   # e.g. a semaphore of a rank's progress bar
     assert "interrupted" in err
     time.sleep(0.5)
     assert _session_pids(proc.pid) == set()

@@ -23,7 +23,6 @@ import pytest
 from qcoll.bench import cli, cluster, netns
 from qcoll.bench.linkmeter import ENV, LinkMeter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 slow = pytest.mark.slow
 
 
@@ -46,8 +45,9 @@ needs_netns = pytest.mark.skipif(_NO_NETNS is not None, reason=f"emulated cluste
 
 
 def _env(**extra):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore",
-               QCOLL_PROGRESS="0")
+    """The environment of a ``python -m qcoll.bench cluster`` subprocess (run outside the repository, see
+    :func:`_cluster`)."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", QCOLL_PROGRESS="0")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", ENV):
         env.pop(key, None)
     env.update(extra)
@@ -238,8 +238,10 @@ TRAIN = ["train", "--modes", "zero3", "zeropp", "--steps", "3", "--warmup", "1",
          "--layers", "1", "--d-model", "64"]
 
 
-def _cluster(argv, timeout=300, **popen):
-    return subprocess.Popen([sys.executable, "-m", "qcoll.bench", "cluster", *argv], cwd=ROOT, env=_env(),
+def _cluster(argv, cwd, **popen):
+    """Start ``qcoll-bench cluster`` in ``cwd`` (a test's fresh ``tmp_path``): with the repository root as the
+    working directory, ``-m`` would import the source tree's ``qcoll/`` over the installed package."""
+    return subprocess.Popen([sys.executable, "-m", "qcoll.bench", "cluster", *argv], cwd=cwd, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
@@ -247,7 +249,7 @@ def _cluster(argv, timeout=300, **popen):
 @slow
 def test_train_on_cluster_end_to_end(tmp_path):
     out = tmp_path / "cluster.json"
-    p = _cluster(["--link", "50mbit", "--json", str(out), "--", *TRAIN])
+    p = _cluster(["--link", "50mbit", "--json", str(out), "--", *TRAIN], tmp_path)
     stdout, stderr = p.communicate(timeout=300)
     assert p.returncode == 0, stderr
     assert not _cluster_namespaces(p.pid)
@@ -271,7 +273,7 @@ def test_train_on_cluster_end_to_end(tmp_path):
 @slow
 def test_failing_command_tears_down(tmp_path):
     """The inner command refuses its arguments on every rank: exit 2 with its message, nothing left."""
-    p = _cluster(["--link", "10mbit", "--", "train", "--batch", "6", "--steps", "2", "--warmup", "0"])
+    p = _cluster(["--link", "10mbit", "--", "train", "--batch", "6", "--steps", "2", "--warmup", "0"], tmp_path)
     _, stderr = p.communicate(timeout=180)
     assert p.returncode == 2, stderr
     assert "not divisible" in stderr
@@ -280,8 +282,8 @@ def test_failing_command_tears_down(tmp_path):
 
 @needs_netns
 @slow
-def test_ctrl_c_tears_down():
-    p = _cluster(["--link", "10mbit", "--", "train", "--steps", "200", "--warmup", "1"])
+def test_ctrl_c_tears_down(tmp_path):
+    p = _cluster(["--link", "10mbit", "--", "train", "--steps", "200", "--warmup", "1"], tmp_path)
     deadline = time.monotonic() + 120
     while not _cluster_namespaces(p.pid) and time.monotonic() < deadline and p.poll() is None:
         time.sleep(0.2)

@@ -45,6 +45,9 @@ INNER = ("train", "collectives")
 RESERVED = ("--nproc", "--ranks-per-node", "--json", "--plot")
 MASTER_PORT = 29500          # the namespaces are new, so nothing else listens there
 GRACE_S = 5.0
+# how a rank starts the installed qcoll-bench; -P (Python >= 3.11) keeps the working directory off sys.path, so
+# a run from a checkout's root does not import its source tree's qcoll/ over the installed package
+PYTHON = (sys.executable, "-P") if sys.version_info >= (3, 11) else (sys.executable,)
 
 
 class InnerUsageError(Exception):
@@ -164,7 +167,7 @@ def run_on_cluster(inner: list[str], nodes: int, per_node: int, rate: int | None
             for rank in range(world):
                 out = open(os.path.join(tmp, f"rank{rank}.out"), "w")
                 err = open(os.path.join(tmp, f"rank{rank}.err"), "w")
-                cmd = ["ip", "netns", "exec", net.namespaces[rank // per_node], sys.executable, "-m", "qcoll.bench",
+                cmd = ["ip", "netns", "exec", net.namespaces[rank // per_node], *PYTHON, "-m", "qcoll.bench",
                        *inner, "--json", result_path]
                 procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=_rank_env(net, rank, world, per_node),
                                               preexec_fn=_rank_preexec, start_new_session=True))

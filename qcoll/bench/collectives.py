@@ -55,7 +55,7 @@ from ..comm import stats
 from ..quant import DEFAULT_GRAD_BLOCK, DEFAULT_WEIGHT_BLOCK, VALID_BITS
 from . import cli
 from .launch import run_ranks
-from .progress import Progress
+from . import progress as progress_bar
 from .sizes import format_size, parse_size, sweep
 
 NAME = "collectives"
@@ -173,7 +173,7 @@ def _errors(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 class _Point:
     """One sweep point: measures variants and builds their rows."""
 
-    def __init__(self, args, topo, size: int, progress: Progress):
+    def __init__(self, args, topo, size: int, progress):
         self.args, self.topo, self.progress = args, topo, progress
         self.world = topo.world_size
         self.n = size // (4 * self.world)           # elements per shard (all-gather) / slice (reduce-scatter)
@@ -183,14 +183,15 @@ class _Point:
 
     def measure(self, op, variant, fn, out=None, ref=None, *, dtype=torch.float32, bits=None, block_size=None,
                 group_size=None):
-        self.progress.start(f"{format_size(self.size)} {op} {variant}")
+        self.progress.set_postfix_str(f"{format_size(self.size)} {op} {variant}", refresh=False)
+        self.progress.update(0)                    # redraw (after the bar's delay) with the variant now running
         intra, inter = _wire(fn)                   # also the first call: fills ``out``
         wire = intra + inter
         if variant == "fp32":
             self.base_wire = wire
         errs = _errors(out, ref) if ref is not None else (0.0, 0.0)
         seconds = _time(fn, self.args.warmup, self.args.iters)
-        self.progress.advance(step_weight(self.size))
+        self.progress.update(step_weight(self.size))
         g = group_size or self.world
         algbw = self.size / seconds / 1e9
         return {"op": op, "variant": variant, "bits": bits, "block_size": block_size, "size": self.size,
@@ -250,7 +251,7 @@ def run(args) -> list[dict]:
     sizes = sweep(args.min, args.max, args.factor)
     total = sum(step_weight(4 * (s // (4 * topo.world_size)) * topo.world_size) for s in sizes)
     rows = []
-    with Progress(total * variants_per_point(args), enabled=None if topo.rank == 0 else False) as progress:
+    with progress_bar.bar(total * variants_per_point(args), enabled=None if topo.rank == 0 else False) as progress:
         for size in sizes:
             point = _Point(args, topo, size, progress)
             rows += point.gather_rows()
