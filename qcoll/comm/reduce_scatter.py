@@ -1,6 +1,8 @@
 """qgZ: hierarchical quantized reduce-scatter (2-hop all-to-all) and its baseline."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -27,10 +29,30 @@ def _chunk_bounds(slice_len: int, block_size: int, num_chunks: int) -> list[tupl
 
 def _all_to_all(frames: torch.Tensor, group, peers: int):
     """Equal-split all-to-all of uint8 ``frames`` ``[peers, nbytes]`` (row ``j`` to peer ``j``);
-    returns (recv ``[peers, nbytes]``, work)."""
-    recv = framing.receive_buffer(peers, frames.shape[1], frames.device)
-    stats.add("all_to_all", group, (peers - 1) * frames.shape[1], (peers - 1) * framing.header_bytes())
-    work = dist.all_to_all_single(recv.view(-1), frames.reshape(-1), group=group, async_op=True)
+    returns (recv ``[peers, nbytes]``, work). The split sizes are explicit so that gloo runs
+    the same algorithm (alltoallv) as :func:`_poison_all_to_all` and the two can meet."""
+    nbytes = frames.shape[1]
+    recv = framing.receive_buffer(peers, nbytes, frames.device)
+    stats.add("all_to_all", group, (peers - 1) * nbytes, (peers - 1) * framing.header_bytes())
+    splits = [nbytes] * peers
+    work = dist.all_to_all_single(recv.view(-1), frames.reshape(-1), splits, splits, group=group, async_op=True)
+    return recv, work
+
+
+def _poison_all_to_all(header: framing.Header, capacity: int, group, peers: int, me: int, device):
+    """The all-to-all of a rank that received mismatching data: each peer gets the poisoned
+    ``header`` alone (a short message, which gloo accepts; a longer one aborts the receiver),
+    and each peer's frame is received into ``capacity`` bytes. Returns (recv, work)."""
+    H = framing.HEADER_BYTES
+    head = framing.header_tensor(header.poison(), device)
+    send_splits = [H] * peers
+    send_splits[me] = capacity             # gloo copies a rank's own part: its send and receive lengths agree
+    send = torch.zeros(sum(send_splits), dtype=torch.uint8, device=device)
+    for start in itertools.accumulate([0] + send_splits[:-1]):
+        send[start: start + H] = head
+    recv = framing.receive_buffer(peers, capacity, device)
+    stats.add("all_to_all", group, (peers - 1) * H, (peers - 1) * H)
+    work = dist.all_to_all_single(recv.view(-1), send, [capacity] * peers, send_splits, group=group, async_op=True)
     return recv, work
 
 
@@ -168,14 +190,22 @@ class _Qgz:
         a, b = self.chunks[k]
         header = self._header(k)
         if got is None:          # pass the failure on instead of leaving the other nodes waiting
-            q2 = torch.zeros(self.N, header.payload_nbytes(), dtype=torch.uint8, device=self.output.device)
-            header = header.poison()
-        elif self.L == 1:
+            return self._poison(header)
+        if self.L == 1:
             q2 = got[0]
         else:
             q2 = rows.reduce_requantize(got, b - a, self.bits, self.block_size, self.bits, self.block_size,
                                         self.stochastic, self.seed, a)
         return _all_to_all(framing.frame(q2.view(self.N, -1), header), self.t.inter_group, self.N)
+
+    def _poison(self, header: framing.Header):
+        """Hop 2 after a hop-1 mismatch: poisoned headers out; peers' frames received into room
+        for this rank's frame or for one with the disagreeing sender's arguments, whichever is larger."""
+        capacity = framing.HEADER_BYTES + header.payload_nbytes()
+        other = self.failures[-1].got
+        if other is not None:
+            capacity = max(capacity, framing.HEADER_BYTES + other.payload_nbytes())
+        return _poison_all_to_all(header, capacity, self.t.inter_group, self.N, self.t.node, self.output.device)
 
     def complete(self):
         """Wait for every hop, reduce each chunk into the output; raise the first mismatch."""
