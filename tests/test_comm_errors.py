@@ -192,6 +192,13 @@ def test_unquantized_receipt_detects_a_quantized_frame():
         framing.check_unframed(raw, _receipt)
 
 
+def test_receipt_checks_leave_the_callers_storage_resizable():
+    """ZeRO frees a gathered buffer by resizing its storage to 0; ``.numpy()`` on it would forbid that."""
+    out = torch.randn(3, 300)
+    framing.check_unframed(out.view(torch.uint8), _receipt)
+    out.untyped_storage().resize_(0)
+
+
 # ---------------------------------------------------------------- ranks that disagree, without QCOLL_DEBUG
 # (arguments of ranks 0-2, arguments of rank 3): the frames have the same length, so the
 # transport delivers them and only the header can tell that rank 3 disagrees.

@@ -17,7 +17,6 @@ import struct
 from dataclasses import dataclass, replace
 from typing import Callable
 
-import numpy as np
 import torch
 
 from ..quant import format as fmt
@@ -179,18 +178,18 @@ def check_unframed(received: torch.Tensor, receipt: Callable[[], Receipt]) -> No
     collective. Only on CPU (reading a GPU buffer back would synchronize the stream)."""
     if not _enabled or received.device.type != "cpu" or received.shape[-1] < HEADER_BYTES:
         return
-    heads = received[:, :HEADER_BYTES].numpy()
-    candidates = np.flatnonzero((heads[:, 0] == MAGIC[0]) & (heads[:, 1] == MAGIC[1]))
+    heads = received[:, :HEADER_BYTES]   # (no .numpy(): it would pin the caller's storage to its size)
+    candidates = ((heads[:, 0] == MAGIC[0]) & (heads[:, 1] == MAGIC[1])).nonzero().flatten().tolist()
     for i in candidates:
         try:
-            got = Header.from_bytes(heads[i].tobytes())
+            got = Header.from_bytes(bytes(heads[i].tolist()))
         except ValueError:
             continue  # plain data that happens to start like a header
         r = receipt()
-        peer = r.sender(int(i))
+        peer = r.sender(i)
         raise RankMismatchError(
             f"qcoll {r.op}: rank {r.rank} called the unquantized collective (bits=None) but received from "
-            f"rank {peer} a quantized frame ({got.describe()}){_origin(r, int(i))}. {_ADVICE}",
+            f"rank {peer} a quantized frame ({got.describe()}){_origin(r, i)}. {_ADVICE}",
             r.op, r.rank, peer, None, got)
 
 
@@ -204,19 +203,19 @@ def _origin(r: Receipt, i: int) -> str:
 
 def _mismatch(heads: torch.Tensor, expected: Header, r: Receipt) -> RankMismatchError:
     """The error for the first frame of ``heads`` that differs from ``expected``."""
-    raw = heads.cpu().contiguous().numpy()
+    raw = [bytes(row) for row in heads.tolist()]
     want = expected.to_bytes()
-    bad = [i for i in range(raw.shape[0]) if raw[i].tobytes() != want]
+    bad = [i for i, row in enumerate(raw) if row != want]
     i = bad[0]
     peer = r.sender(i)
-    more = f" ({len(bad)} of the {raw.shape[0]} frames received disagree)" if len(bad) > 1 else ""
+    more = f" ({len(bad)} of the {len(raw)} frames received disagree)" if len(bad) > 1 else ""
     where = f"qcoll {r.op}: rank {r.rank} received from rank {peer}{_origin(r, i)}"
     try:
-        got = Header.from_bytes(raw[i].tobytes())
+        got = Header.from_bytes(raw[i])
     except ValueError as why:
         return RankMismatchError(
             f"{where} a buffer that does not start with a valid qcoll frame header ({why}; bytes "
-            f"{raw[i].tobytes().hex(' ')}){more}. Rank {peer} may have called the unquantized collective "
+            f"{raw[i].hex(' ')}){more}. Rank {peer} may have called the unquantized collective "
             f"(bits=None) or passed a size that made the transport misplace the data. {_ADVICE}",
             r.op, r.rank, peer, expected, None)
     if got.poisoned:
