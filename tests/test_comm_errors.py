@@ -414,7 +414,8 @@ def _stale_topology(rank, world, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=10))
     calls = {
-        "reduce_scatter": lambda: qcoll.reduce_scatter_quantized(torch.empty(64), torch.randn(world * 64), topology=old),
+        "reduce_scatter": lambda: qcoll.reduce_scatter_quantized(torch.empty(64), torch.randn(world * 64),
+                                                                 topology=old),
         "current topology": lambda: qcoll.reduce_scatter_quantized(torch.empty(64), torch.randn(world * 64)),
         "replica_gather": lambda: qcoll.replica_gather(torch.empty(world * 64), sec),
         "all_gather secondary": lambda: qcoll.all_gather_quantized(torch.empty(world * 64), x, secondary=sec),
