@@ -4,9 +4,9 @@
 group alive across tests (starting torch in a process costs seconds), runs
 picklable module-level functions ``fn(rank, world, *args)`` on all of them, and
 returns the per-rank results. A rank's exception is re-raised in the test with
-its traceback; a run that exceeds its timeout (per result), or in which a rank dies
-and all the others have answered, kills the pool (a fresh one starts on the next
-run), so nothing ever hangs.
+its traceback; a rank whose process dies (gloo aborts a process on some errors) is
+reported once the others have finished; a run that exceeds its timeout kills the
+pool (a fresh one starts on the next run), so nothing ever hangs.
 """
 from __future__ import annotations
 
@@ -49,13 +49,15 @@ def _worker(rank, world, port, env, tasks, results):
 
 
 class RankFailure(AssertionError):
-    """A run in which some rank raised or did not finish; ``results``/``errors`` by rank."""
+    """A run in which some rank raised, died or did not finish; ``results``/``errors`` by
+    rank, ``dead``: exit codes of the ranks whose process died."""
 
-    def __init__(self, message, results=None, errors=None, finished=True):
+    def __init__(self, message, results=None, errors=None, finished=True, dead=None):
         super().__init__(message)
         self.results = results or {}
         self.errors = errors or {}
         self.finished = finished
+        self.dead = dead or {}
 
 
 class RankPool:
@@ -81,36 +83,40 @@ class RankPool:
             self._start()
         for q in self._tasks:
             q.put((fn, args))
-        got, errors = {}, {}
+        got, errors, dead = {}, {}, {}
         deadline = time.monotonic() + timeout
-        while len(got) + len(errors) < self.world:
+        while len(got) + len(errors) + len(dead) < self.world:
             try:
-                rank, status, value = self._results.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+                rank, status, value = self._results.get(timeout=0.5)
             except queue.Empty:
-                missing = sorted(set(range(self.world)) - set(got) - set(errors))
-                dead = {r: self._procs[r].exitcode for r in missing if not self._procs[r].is_alive()}
-                if time.monotonic() < deadline and len(dead) < len(missing):
-                    continue  # a rank still running may yet answer (the survivors of a dead rank fail by timeout)
-                self.close()
-                why = f"died (exit codes {dead})" if len(dead) == len(missing) else \
-                    f"did not finish {fn.__name__} within {timeout}s" + (f" (dead: {dead})" if dead else "")
-                raise RankFailure(f"ranks {missing} {why}; errors so far: {errors}", got, errors, False) from None
-            deadline = time.monotonic() + timeout
+                if time.monotonic() > deadline:
+                    self.close()
+                    missing = sorted(set(range(self.world)) - set(got) - set(errors) - set(dead))
+                    raise RankFailure(f"ranks {missing} did not finish {fn.__name__} within {timeout}s; errors so "
+                                      f"far: {errors}; dead: {dead}", got, errors, False, dead) from None
+                dead.update({r: p.exitcode for r, p in enumerate(self._procs)
+                             if r not in got and r not in errors and not p.is_alive()})
+                continue
             (got if status == "ok" else errors)[rank] = value
+        if dead:
+            self.close(graceful=False)  # the survivors' process group lost a member: start afresh next time
+            raise RankFailure(f"ranks {sorted(dead)} died during {fn.__name__} (exit codes {dead}); errors: "
+                              f"{errors}", got, errors, True, dead)
         if errors:
             first = min(errors)
             raise RankFailure(f"{fn.__name__} failed on ranks {sorted(errors)}; rank {first}:\n{errors[first]}",
                               got, errors)
         return [got[r] for r in range(self.world)]
 
-    def close(self):
-        for q in getattr(self, "_tasks", []):
+    def close(self, graceful: bool = True):
+        """Stop the workers; ``graceful=False`` kills them at once (their group is broken anyway)."""
+        for q in getattr(self, "_tasks", []) if graceful else []:
             try:
                 q.put(None)
             except Exception:
                 pass
         for p in self._procs:
-            p.join(timeout=5)
+            p.join(timeout=5 if graceful else 0)
             if p.is_alive():
                 p.kill()
         self._procs = []

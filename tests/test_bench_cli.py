@@ -28,6 +28,7 @@ N = W // L                       # nodes
 SIZES = [1024, 3072, 9216]       # --min 1K --max 9K --factor 3: 64, 192, 576 elements per rank
 CHUNKS = 3
 WEIGHT_BLOCK, GRAD_BLOCK = 256, 128   # DESIGN.md defaults for weights and gradients
+HEADER = 16                      # the frame header in front of each quantized buffer sent (docs/FORMAT.md "Frames")
 slow = pytest.mark.slow   # the tests that start 4 ranks or a subprocess
 BAR = re.compile(rb"qcoll-bench: +\d+%\|")   # the progress bar as drawn (tqdm, qcoll.bench.progress.FORMAT)
 
@@ -56,7 +57,8 @@ def _has_matplotlib() -> bool:
 def sweep(tmp_path_factory):
     d = tmp_path_factory.mktemp("bench")
     argv = ["collectives", "--nproc", str(W), "--ranks-per-node", str(L), "--min", "1K", "--max", "9K",
-            "--factor", "3", "--iters", "2", "--warmup", "1", "--chunks", str(CHUNKS), "--json", str(d / "out.json")]
+            "--factor", "3", "--iters", "2", "--warmup", "1", "--chunks", str(CHUNKS), "--header-cost",
+            "--json", str(d / "out.json")]
     if _has_matplotlib():
         argv += ["--plot", str(d / "bw.png")]
     p = subprocess.run([sys.executable, "-m", "qcoll.bench", *argv], capture_output=True, text=True, timeout=180,
@@ -72,28 +74,35 @@ def packed_nbytes(n: int, bits: int, block: int) -> int:
     return math.ceil(n / block) * (block * bits // 8 + 4)
 
 
-def expected_wire(op: str, variant: str, bits, size: int) -> tuple[int, int]:
-    """(intra, inter) bytes one rank hands to others: DESIGN.md "Byte accounting" applied to the format."""
+def expected_wire(op: str, variant: str, bits, size: int) -> tuple[int, int, int]:
+    """(intra, inter, header) bytes one rank hands to others: DESIGN.md "Byte accounting" applied to the
+    format, one 16-byte header per frame (docs/FORMAT.md "Frames"); none for the ``-raw`` variants."""
+    H = 0 if variant.endswith("-raw") else HEADER
     n = size // 4 // W            # shard (all-gather) or slice (reduce-scatter) elements per rank
     if op == "all_gather":        # (W-1) x own buffer; the world group spans nodes, so inter-node
-        per_rank = {"fp32": 4 * n, "bf16": 2 * n}.get(variant) or packed_nbytes(n, bits, WEIGHT_BLOCK)
-        return 0, (W - 1) * per_rank
-    if op == "replica_gather":    # node-local all-gather of N packed primary shards: (L-1) x N x packed
-        return (L - 1) * N * packed_nbytes(n, bits, WEIGHT_BLOCK), 0
+        if variant in ("fp32", "bf16"):
+            return 0, (W - 1) * {"fp32": 4, "bf16": 2}[variant] * n, 0
+        return 0, (W - 1) * (H + packed_nbytes(n, bits, WEIGHT_BLOCK)), (W - 1) * H
+    if op == "replica_gather":    # node-local all-gather of N framed primary shards: (L-1) x N x frame
+        return (L - 1) * N * (H + packed_nbytes(n, bits, WEIGHT_BLOCK)), 0, (L - 1) * N * H
     assert op == "reduce_scatter"
     if variant == "fp32":         # reduce_scatter_tensor: (W-1)/W x input bytes (4*W*n), over the world
-        return 0, (W - 1) * 4 * n
-    # qgZ: every destination slice is packed on its own; hop 1 sends the other L-1 local peers N slices each,
-    # hop 2 sends the other N-1 nodes' peers one (requantized) slice each. Chunking cuts slices at block
-    # multiples, so the byte count does not depend on it.
+        return 0, (W - 1) * 4 * n, 0
+    # qgZ: every destination slice is packed on its own; hop 1 sends each of the other L-1 local peers one
+    # frame holding N slices, hop 2 each of the other N-1 nodes' peers one frame of one (requantized) slice.
+    # Chunks cut slices at block multiples, so the packed bytes do not depend on them; each chunk, hop and
+    # peer has its own header. k chunks: num_chunks, at most one per block.
+    c = int(variant.removesuffix("-raw").partition("x")[2] or 1)
+    k = min(c, math.ceil(n / GRAD_BLOCK))
     p = packed_nbytes(n, bits, GRAD_BLOCK)
-    return (L - 1) * N * p, (N - 1) * p
+    return (L - 1) * (N * p + k * H), (N - 1) * (p + k * H), (L - 1 + N - 1) * k * H
 
 
 def expected_variants():
-    return ([("all_gather", v) for v in ("fp32", "bf16", "qwZ8", "qwZ6", "qwZ4", "qwZ2")]
-            + [("replica_gather", "hpZ8")]
-            + [("reduce_scatter", v) for v in ("fp32", "qgZ4", f"qgZ4x{CHUNKS}")])
+    quantized = lambda vs: [x for v in vs for x in (v, f"{v}-raw")]  # noqa: E731  (--header-cost)
+    return ([("all_gather", v) for v in ["fp32", "bf16"] + quantized(("qwZ8", "qwZ6", "qwZ4", "qwZ2"))]
+            + [("replica_gather", v) for v in quantized(("hpZ8",))]
+            + [("reduce_scatter", v) for v in ["fp32"] + quantized(("qgZ4", f"qgZ4x{CHUNKS}"))])
 
 
 @slow
@@ -143,12 +152,23 @@ def test_times_and_bandwidths(sweep):
 def test_wire_bytes_match_the_format(sweep):
     rows = sweep["rows"]
     for r in rows:
-        intra, inter = expected_wire(r["op"], r["variant"], r["bits"], r["size"])
-        assert (r["intra_bytes"], r["inter_bytes"]) == (intra, inter), r
+        intra, inter, header = expected_wire(r["op"], r["variant"], r["bits"], r["size"])
+        assert (r["intra_bytes"], r["inter_bytes"], r["header_bytes"]) == (intra, inter, header), r
         assert r["wire_bytes"] == intra + inter
         base_op = "all_gather" if r["op"] == "replica_gather" else r["op"]
         base = sum(expected_wire(base_op, "fp32", None, r["size"]))
         assert r["ratio_vs_fp32"] == pytest.approx((intra + inter) / base)
+
+
+@slow
+def test_header_cost_rows_pair_each_quantized_variant(sweep):
+    """--header-cost: each quantized row is followed by its -raw twin: the same data without headers."""
+    rows = sweep["rows"]
+    for r, raw in zip(rows, rows[1:]):
+        if raw["variant"] != r["variant"] + "-raw":
+            continue
+        assert raw["wire_bytes"] == r["wire_bytes"] - r["header_bytes"] and raw["header_bytes"] == 0
+        assert (raw["max_err"], raw["mean_err"]) == (r["max_err"], r["mean_err"])
 
 
 def _qmax(bits: int) -> int:

@@ -13,6 +13,7 @@ import qcoll
 from qcoll.comm import stats
 
 QMAX = {8: 127, 6: 31, 4: 7, 2: 1}
+HEADER = 16  # the frame header in front of every quantized buffer sent (docs/FORMAT.md, "Frames")
 
 
 def shard_of(rank, n, seed=0, dtype=torch.float32):
@@ -88,7 +89,7 @@ def _replica(rank, world, L, bits):
     assert stats.stats.intra_bytes == (L - 1) * sec.nbytes
     if bits is not None:
         per_shard = qcoll.quant.packed_nbytes(n, bits, 256)
-        assert sec.nbytes == topo.num_nodes * per_shard
+        assert sec.nbytes == topo.num_nodes * (HEADER + per_shard)
 
 
 @pytest.mark.parametrize("L", [2, 4, 1])
@@ -189,20 +190,26 @@ def _bytes(rank, world):
     packed = qcoll.quant.packed_nbytes(n, 8, 256)
     stats.reset()
     qcoll.all_gather_int8(torch.empty(world * n), shard_of(rank, n))
-    assert stats.stats.inter_bytes == (world - 1) * packed and stats.stats.intra_bytes == 0
+    assert stats.stats.inter_bytes == (world - 1) * (HEADER + packed) and stats.stats.intra_bytes == 0
+    assert stats.stats.header_bytes == (world - 1) * HEADER
     stats.reset()
     qcoll.all_gather_quantized(torch.empty(world * n), shard_of(rank, n), bits=None)
-    assert stats.stats.inter_bytes == (world - 1) * n * 4
+    assert stats.stats.inter_bytes == (world - 1) * n * 4 and stats.stats.header_bytes == 0
     S = 8192
     slice_bytes = qcoll.quant.packed_nbytes(S, 4, 128)  # = S/2 codes + S/128*4 scales
     assert slice_bytes == S // 2 + S // 128 * 4
     stats.reset()
     qcoll.reduce_scatter_quantized(torch.empty(S), shard_of(rank, world * S), topology=topo)
-    assert stats.stats.intra_bytes == (L - 1) * N * slice_bytes
-    assert stats.stats.inter_bytes == (N - 1) * slice_bytes
+    # one frame per peer and hop: hop 1 carries the N slices for one local peer behind one header
+    assert stats.stats.intra_bytes == (L - 1) * (HEADER + N * slice_bytes)
+    assert stats.stats.inter_bytes == (N - 1) * (HEADER + slice_bytes)
+    assert stats.stats.header_bytes == (L - 1 + N - 1) * HEADER
+    stats.reset()
+    qcoll.reduce_scatter_quantized(torch.empty(S), shard_of(rank, world * S), topology=topo, num_chunks=4)
+    assert stats.stats.header_bytes == 4 * (L - 1 + N - 1) * HEADER  # a frame per chunk
     stats.reset()
     qcoll.reduce_scatter_quantized(torch.empty(S), shard_of(rank, world * S), bits=None, topology=topo)
-    assert stats.stats.inter_bytes == (world - 1) * S * 4
+    assert stats.stats.inter_bytes == (world - 1) * S * 4 and stats.stats.header_bytes == 0
 
 
 def test_byte_counters_equal_analytic_volume(ranks4):

@@ -190,9 +190,10 @@ def test_bytes_per_step_follow_the_design(ranks4):
 
     With W=4, L=2, N=2. ZeRO-3 (fp32): forward and backward all-gather over the world
     (spans nodes: inter) (W-1)*4S each, reduce-scatter (W-1)/W * W*4S = (W-1)*4S; plus
-    the 8-byte non-finite all-reduce is not counted. ZeRO++: forward qwZ8 (W-1)*P8(S)
-    inter; backward replica gather (L-1)*N*P8(S) intra; qgZ hop 1 (L-1)*N*P4(S) intra,
-    hop 2 (N-1)*P4(S) inter, where P_b(n) is one packed row of n elements.
+    the 8-byte non-finite all-reduce is not counted. ZeRO++: forward qwZ8 (W-1)*F8(S)
+    inter; backward replica gather (L-1)*N*F8(S) intra; qgZ hop 1 (L-1)*(H + N*P4(S)) intra,
+    hop 2 (N-1)*F4(S) inter, where P_b(n) is one packed row of n elements, H the 16-byte
+    frame header (docs/FORMAT.md "Frames") and F_b(n) = H + P_b(n) one framed row.
     """
     W, L, N = 4, 2, 2
     z3 = ranks4.run(_bytes_per_step, zero.ZeroConfig.zero3(), timeout=60)
@@ -200,10 +201,11 @@ def test_bytes_per_step_follow_the_design(ranks4):
     shards = z3[0][2]
     assert shards == zpp[0][2]
     want_z3 = sum(3 * (W - 1) * 4 * S for S in shards)
+    H = 16
     p8 = [packed_nbytes(S, 8, 256) for S in shards]
     p4 = [packed_nbytes(S, 4, 128) for S in shards]
-    want_inter = sum((W - 1) * a + (N - 1) * b for a, b in zip(p8, p4))
-    want_intra = sum((L - 1) * N * a + (L - 1) * N * b for a, b in zip(p8, p4))
+    want_inter = sum((W - 1) * (H + a) + (N - 1) * (H + b) for a, b in zip(p8, p4))
+    want_intra = sum((L - 1) * N * (H + a) + (L - 1) * (H + N * b) for a, b in zip(p8, p4))
     for r in range(W):
         assert z3[r][:2] == (0, want_z3)
         assert zpp[r][:2] == (want_intra, want_inter)

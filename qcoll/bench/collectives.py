@@ -13,11 +13,16 @@ Each point runs ``--warmup`` untimed iterations, then ``--iters`` timed ones (a
 barrier before each); a rank's time is the median of its iterations, the row's
 time the maximum of those medians over ranks.
 
+``--header-cost`` adds, after each quantized variant, the same call with the frame
+headers off (variant ``<name>-raw``; :func:`qcoll.comm.framing.disabled`: no header
+sent, nothing checked on receipt), its iterations alternating with the framed
+variant's, so the two rows compare the header's cost in bytes and time in one run.
+
 JSON schema (``--json FILE``)::
 
     {"schema": "qcoll-bench.collectives/1", "command": "collectives",
      "world": int, "ranks_per_node": int, "num_nodes": int, "backend": "gloo",
-     "torch": str, "args": {min, max, factor, iters, warmup, bits, grad_bits, chunks},
+     "torch": str, "args": {min, max, factor, iters, warmup, bits, grad_bits, chunks, header_cost},
      "columns": [...COLUMNS...], "rows": [{column: value, ...}, ...]}
 
 Row keys (:data:`COLUMNS`):
@@ -32,7 +37,8 @@ Row keys (:data:`COLUMNS`):
   ``busbw_GBs = algbw * (g - 1) / g`` with ``g`` the group size (world; ranks per
   node for ``replica_gather``), as nccl-tests does for all-gather and reduce-scatter;
 - ``wire_bytes``: bytes this rank hands to other ranks in one call
-  (``intra_bytes + inter_bytes``, :mod:`qcoll.comm.stats`); ``ratio_vs_fp32``:
+  (``intra_bytes + inter_bytes``, :mod:`qcoll.comm.stats`), of which ``header_bytes``
+  are frame headers (docs/FORMAT.md "Frames"; 0 unquantized and ``-raw``); ``ratio_vs_fp32``:
   ``wire_bytes`` over the same op's fp32 baseline (the fp32 all-gather for ``replica_gather``);
 - ``max_err``, ``mean_err``: max and mean of ``|out - ref|`` over all ranks'
   outputs, divided by ``max |ref|`` over all ranks, where ``ref`` is the fp32
@@ -51,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..comm import stats
+from ..comm import framing, stats
 from ..quant import DEFAULT_GRAD_BLOCK, DEFAULT_WEIGHT_BLOCK, VALID_BITS
 from . import cli
 from .launch import run_ranks
@@ -61,7 +67,7 @@ from .sizes import format_size, parse_size, sweep
 NAME = "collectives"
 SCHEMA = "qcoll-bench.collectives/1"
 COLUMNS = ("op", "variant", "bits", "block_size", "size", "count", "type", "time_us", "algbw_GBs", "busbw_GBs",
-           "wire_bytes", "intra_bytes", "inter_bytes", "ratio_vs_fp32", "max_err", "mean_err")
+           "wire_bytes", "intra_bytes", "inter_bytes", "header_bytes", "ratio_vs_fp32", "max_err", "mean_err")
 BITS = tuple(sorted(VALID_BITS, reverse=True))
 HPZ_BITS = 8
 
@@ -86,6 +92,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--grad-bits", type=int, default=4, choices=BITS, metavar="B", help="qgZ gradient bits (default 4)")
     c.add_argument("--chunks", type=cli.positive_int, default=4,
                    help="qgZ pipeline chunks of the chunked variant (default 4)")
+    c.add_argument("--header-cost", action="store_true",
+                   help="also time every quantized variant with its frame headers off (rows <variant>-raw), "
+                        "alternating iterations with the framed one")
     cli.add_common_options(c)
     c.set_defaults(func=main)
     return c
@@ -116,7 +125,7 @@ def _rank_main(args) -> None:
             "schema": SCHEMA, "command": NAME, "world": world, "ranks_per_node": args.ranks_per_node,
             "num_nodes": world // args.ranks_per_node, "backend": dist.get_backend(), "torch": torch.__version__,
             "args": {k: getattr(args, k) for k in ("min", "max", "factor", "iters", "warmup", "bits", "grad_bits",
-                                                    "chunks")},
+                                                    "chunks", "header_cost")},
             "columns": list(COLUMNS), "rows": rows})
     if args.plot:
         from . import plot
@@ -152,11 +161,36 @@ def _time(fn, warmup: int, iters: int) -> float:
     return float(t)
 
 
-def _wire(fn) -> tuple[int, int]:
-    """(intra, inter) bytes this rank hands to others in one call of ``fn``."""
+def _time_pair(fa, fb, warmup: int, iters: int) -> tuple[float, float]:
+    """:func:`_time` of ``fa`` and ``fb`` with their iterations alternating (drift hits both alike)."""
+    for _ in range(warmup):
+        fa()
+        fb()
+    times = ([], [])
+    for _ in range(iters):
+        for fn, acc in ((fa, times[0]), (fb, times[1])):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            acc.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(times[0]), statistics.median(times[1])], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0]), float(t[1])
+
+
+def _wire(fn) -> tuple[int, int, int]:
+    """(intra, inter, header) bytes this rank hands to others in one call of ``fn``."""
     stats.reset()
     fn()
-    return stats.stats.intra_bytes, stats.stats.inter_bytes
+    return stats.stats.intra_bytes, stats.stats.inter_bytes, stats.stats.header_bytes
+
+
+def unframed(fn):
+    """``fn`` run with the frame headers off (the ``-raw`` variants)."""
+    def call():
+        with framing.disabled():
+            return fn()
+    return call
 
 
 def _errors(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -182,42 +216,61 @@ class _Point:
         self.base_wire = 0
 
     def measure(self, op, variant, fn, out=None, ref=None, *, dtype=torch.float32, bits=None, block_size=None,
-                group_size=None):
+                group_size=None, raw=None) -> list[dict]:
+        """The row of ``fn``; with ``--header-cost`` and a ``raw`` twin (``fn`` without frame
+        headers), its ``-raw`` row too, timed alternately with ``fn``."""
         self.progress.set_postfix_str(f"{format_size(self.size)} {op} {variant}", refresh=False)
         self.progress.update(0)                    # redraw (after the bar's delay) with the variant now running
-        intra, inter = _wire(fn)                   # also the first call: fills ``out``
-        wire = intra + inter
-        if variant == "fp32":
-            self.base_wire = wire
-        errs = _errors(out, ref) if ref is not None else (0.0, 0.0)
-        seconds = _time(fn, self.args.warmup, self.args.iters)
-        self.progress.update(step_weight(self.size))
+        variants = [(variant, fn)]
+        if raw is not None and self.args.header_cost:
+            variants.append((f"{variant}-raw", raw))
+        measured = []
+        for name, f in variants:
+            intra, inter, header = _wire(f)            # also the first call: fills ``out``
+            if name == "fp32":
+                self.base_wire = intra + inter
+            measured.append((name, intra, inter, header, _errors(out, ref) if ref is not None else (0.0, 0.0)))
+        if len(variants) == 1:
+            seconds = (_time(fn, self.args.warmup, self.args.iters),)
+        else:
+            seconds = _time_pair(fn, raw, self.args.warmup, self.args.iters)
+        self.progress.update(step_weight(self.size) * len(variants))
         g = group_size or self.world
+        return [self._row(op, m, sec, g, dtype, bits, block_size) for m, sec in zip(measured, seconds)]
+
+    def _row(self, op, measured, seconds, g, dtype, bits, block_size) -> dict:
+        variant, intra, inter, header, (max_err, mean_err) = measured
+        wire = intra + inter
         algbw = self.size / seconds / 1e9
         return {"op": op, "variant": variant, "bits": bits, "block_size": block_size, "size": self.size,
                 "count": self.count, "type": str(dtype).removeprefix("torch."), "time_us": seconds * 1e6,
                 "algbw_GBs": algbw, "busbw_GBs": algbw * (g - 1) / g, "wire_bytes": wire, "intra_bytes": intra,
-                "inter_bytes": inter, "ratio_vs_fp32": wire / self.base_wire if self.base_wire else 0.0,
-                "max_err": errs[0], "mean_err": errs[1]}
+                "inter_bytes": inter, "header_bytes": header,
+                "ratio_vs_fp32": wire / self.base_wire if self.base_wire else 0.0, "max_err": max_err,
+                "mean_err": mean_err}
 
     def gather_rows(self) -> list[dict]:
         n, W, B = self.n, self.world, DEFAULT_WEIGHT_BLOCK
         shard = gather_shard(self.topo.rank, n)
         ref = torch.empty(W * n)
-        rows = [self.measure("all_gather", "fp32", lambda: comm.all_gather_quantized(ref, shard, bits=None))]
+        rows = self.measure("all_gather", "fp32", lambda: comm.all_gather_quantized(ref, shard, bits=None))
         sb, ob = shard.bfloat16(), torch.empty(W * n, dtype=torch.bfloat16)
-        rows.append(self.measure("all_gather", "bf16", lambda: comm.all_gather_quantized(ob, sb, bits=None),
-                                 ob, ref, dtype=torch.bfloat16))
+        rows += self.measure("all_gather", "bf16", lambda: comm.all_gather_quantized(ob, sb, bits=None),
+                             ob, ref, dtype=torch.bfloat16)
         for b in self.args.bits:
             out = torch.empty(W * n)
-            rows.append(self.measure("all_gather", f"qwZ{b}",
-                                     lambda b=b, out=out: comm.all_gather_quantized(out, shard, bits=b, block_size=B),
-                                     out, ref, bits=b, block_size=B))
-        sec = comm.SecondaryShard(self.topo)
-        comm.all_gather_quantized(torch.empty(W * n), shard, bits=HPZ_BITS, block_size=B, secondary=sec)
+            fn = lambda b=b, out=out: comm.all_gather_quantized(out, shard, bits=b, block_size=B)  # noqa: E731
+            rows += self.measure("all_gather", f"qwZ{b}", fn, out, ref, bits=b, block_size=B, raw=unframed(fn))
+        sec, sec_raw = comm.SecondaryShard(self.topo), comm.SecondaryShard(self.topo)
+
+        def fill(s):
+            comm.all_gather_quantized(torch.empty(W * n), shard, bits=HPZ_BITS, block_size=B, secondary=s)
+        fill(sec)
+        unframed(lambda: fill(sec_raw))()   # a raw replica gather needs a secondary filled without headers
         out = torch.empty(W * n)   # ratio_vs_fp32 stays relative to the fp32 all-gather
-        rows.append(self.measure("replica_gather", f"hpZ{HPZ_BITS}", lambda: comm.replica_gather(out, sec), out, ref,
-                                 bits=HPZ_BITS, block_size=B, group_size=self.topo.ranks_per_node))
+        rows += self.measure("replica_gather", f"hpZ{HPZ_BITS}", lambda: comm.replica_gather(out, sec), out, ref,
+                             bits=HPZ_BITS, block_size=B, group_size=self.topo.ranks_per_node,
+                             raw=unframed(lambda: comm.replica_gather(out, sec_raw)))
         return rows
 
     def reduce_rows(self) -> list[dict]:
@@ -225,19 +278,20 @@ class _Point:
         full = reduce_input(self.topo.rank, W, S)
         ref = torch.empty(S)
         topo = self.topo
-        rows = [self.measure("reduce_scatter", "fp32",
-                             lambda: comm.reduce_scatter_quantized(ref, full, bits=None, topology=topo))]
+        rows = self.measure("reduce_scatter", "fp32",
+                            lambda: comm.reduce_scatter_quantized(ref, full, bits=None, topology=topo))
         for c in sorted({1, self.args.chunks}):
             out = torch.empty(S)
             fn = lambda c=c, out=out: comm.reduce_scatter_quantized(  # noqa: E731
                 out, full, bits=gb, block_size=B, topology=topo, num_chunks=c)
-            rows.append(self.measure("reduce_scatter", f"qgZ{gb}" + (f"x{c}" if c > 1 else ""), fn, out, ref,
-                                     bits=gb, block_size=B))
+            rows += self.measure("reduce_scatter", f"qgZ{gb}" + (f"x{c}" if c > 1 else ""), fn, out, ref,
+                                 bits=gb, block_size=B, raw=unframed(fn))
         return rows
 
 
 def variants_per_point(args) -> int:
-    return 2 + len(args.bits) + 1 + 1 + len({1, args.chunks})
+    quantized = len(args.bits) + 1 + len({1, args.chunks})
+    return 2 + 1 + quantized * (2 if args.header_cost else 1)
 
 
 def step_weight(size: int) -> float:
@@ -261,13 +315,13 @@ def run(args) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     """nccl-tests-like table: size, count, type, time, algbw, busbw, then bytes and errors."""
-    head = (f"{'op':>14} {'variant':>8} {'size':>7} {'count':>10} {'type':>8} {'time(us)':>10} {'algbw':>8} "
-            f"{'busbw':>8} {'wire(B)':>11} {'ratio':>6} {'max_err':>9} {'mean_err':>9}")
-    units = (f"{'':>14} {'':>8} {'(B)':>7} {'(elems)':>10} {'':>8} {'':>10} {'(GB/s)':>8} {'(GB/s)':>8} "
-             f"{'':>11} {'vs fp32':>6} {'rel':>9} {'rel':>9}")
+    head = (f"{'op':>14} {'variant':>10} {'size':>7} {'count':>10} {'type':>8} {'time(us)':>10} {'algbw':>8} "
+            f"{'busbw':>8} {'wire(B)':>11} {'hdr(B)':>6} {'ratio':>6} {'max_err':>9} {'mean_err':>9}")
+    units = (f"{'':>14} {'':>10} {'(B)':>7} {'(elems)':>10} {'':>8} {'':>10} {'(GB/s)':>8} {'(GB/s)':>8} "
+             f"{'':>11} {'':>6} {'vs fp32':>6} {'rel':>9} {'rel':>9}")
     lines = [head, units]
     for r in rows:
-        lines.append(f"{r['op']:>14} {r['variant']:>8} {format_size(r['size']):>7} {r['count']:>10} {r['type']:>8} "
+        lines.append(f"{r['op']:>14} {r['variant']:>10} {format_size(r['size']):>7} {r['count']:>10} {r['type']:>8} "
                      f"{r['time_us']:>10.1f} {r['algbw_GBs']:>8.3f} {r['busbw_GBs']:>8.3f} {r['wire_bytes']:>11} "
-                     f"{r['ratio_vs_fp32']:>6.3f} {r['max_err']:>9.2e} {r['mean_err']:>9.2e}")
+                     f"{r['header_bytes']:>6} {r['ratio_vs_fp32']:>6.3f} {r['max_err']:>9.2e} {r['mean_err']:>9.2e}")
     return "\n".join(lines)

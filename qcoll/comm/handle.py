@@ -1,6 +1,10 @@
 """Async handles returned by the collectives when ``async_op=True``."""
 from __future__ import annotations
 
+import torch.distributed as dist
+
+from .errors import add_transport_context
+
 
 class Handle:
     """Completes a collective: ``wait()`` waits for the communication and runs
@@ -29,3 +33,13 @@ def finish(handle_fn, async_op: bool):
         return h
     h.wait()
     return None
+
+
+def wait_work(work, op: str, sent) -> None:
+    """Wait for a c10d work; a transport error gets a note naming ``op``, this rank and
+    ``sent()`` (a description of what this rank sent, built only on failure)."""
+    try:
+        work.wait()
+    except RuntimeError as e:
+        add_transport_context(e, op, dist.get_rank(), sent())
+        raise

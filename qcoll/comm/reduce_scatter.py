@@ -1,6 +1,8 @@
 """qgZ: hierarchical quantized reduce-scatter (2-hop all-to-all) and its baseline."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -8,8 +10,9 @@ from .c10d import reduce_scatter_flat
 from ..quant import format as fmt
 from ..quant import rows
 from ..quant.rng import rank_seed
-from . import validate
-from .handle import finish
+from . import framing, validate
+from .errors import RankMismatchError
+from .handle import finish, wait_work
 from .stats import stats
 from .topology import Topology, current_topology
 
@@ -24,13 +27,44 @@ def _chunk_bounds(slice_len: int, block_size: int, num_chunks: int) -> list[tupl
     return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
 
 
-def _all_to_all(buf: torch.Tensor, group, peers: int):
-    """Equal-split all-to-all of ``buf`` ``[peers, ...]``; returns (recv, work)."""
-    recv = torch.empty_like(buf)
-    nbytes = buf.numel() * buf.element_size()
-    stats.add("all_to_all", group, nbytes * (peers - 1) // peers)
-    work = dist.all_to_all_single(recv.view(-1), buf.reshape(-1), group=group, async_op=True)
+def _all_to_all(frames: torch.Tensor, group, peers: int):
+    """Equal-split all-to-all of uint8 ``frames`` ``[peers, nbytes]`` (row ``j`` to peer ``j``);
+    returns (recv ``[peers, nbytes]``, work). The split sizes are explicit so that gloo runs
+    the same algorithm (alltoallv) as :func:`_poison_all_to_all` and the two can meet."""
+    nbytes = frames.shape[1]
+    recv = framing.receive_buffer(peers, nbytes, frames.device)
+    stats.add("all_to_all", group, (peers - 1) * nbytes, (peers - 1) * framing.header_bytes())
+    splits = [nbytes] * peers
+    work = dist.all_to_all_single(recv.view(-1), frames.reshape(-1), splits, splits, group=group, async_op=True)
     return recv, work
+
+
+def _poison_all_to_all(header: framing.Header, capacity: int, group, peers: int, me: int, device):
+    """The all-to-all of a rank that received mismatching data: each peer gets the poisoned
+    ``header`` alone (a short message, which gloo accepts; a longer one aborts the receiver),
+    and each peer's frame is received into ``capacity`` bytes. Returns (recv, work)."""
+    H = framing.HEADER_BYTES
+    head = framing.header_tensor(header.poison(), device)
+    send_splits = [H] * peers
+    send_splits[me] = capacity             # gloo copies a rank's own part: its send and receive lengths agree
+    send = torch.zeros(sum(send_splits), dtype=torch.uint8, device=device)
+    for start in itertools.accumulate([0] + send_splits[:-1]):
+        send[start: start + H] = head
+    recv = framing.receive_buffer(peers, capacity, device)
+    stats.add("all_to_all", group, (peers - 1) * H, (peers - 1) * H)
+    work = dist.all_to_all_single(recv.view(-1), send, [capacity] * peers, send_splits, group=group, async_op=True)
+    return recv, work
+
+
+def _hop_receipt(topology: Topology, hop: int):
+    """Who sent each received frame: hop 1 the node's ranks, hop 2 the ranks of equal local index."""
+    def build():
+        t = topology
+        if hop == 1:
+            return framing.Receipt("reduce_scatter (intra-node hop)", t.rank, lambda j: t.node * t.ranks_per_node + j,
+                                   rows=t.num_nodes)
+        return framing.Receipt("reduce_scatter (inter-node hop)", t.rank, lambda j: j * t.ranks_per_node + t.local_rank)
+    return build
 
 
 def reduce_scatter_quantized(
@@ -56,10 +90,23 @@ def reduce_scatter_quantized(
     chunk ``k`` with hop 1 of chunk ``k+1`` (bit-identical results). ``bits=None``
     is the unquantized ``reduce_scatter_tensor`` baseline over the world.
     ``stochastic`` rounds stochastically with ``seed`` mixed with the rank.
+
+    Ranks that disagree: what each hop sends to one peer travels behind a 16-byte
+    frame header (``bits``, ``block_size``, the chunk's slice length; docs/FORMAT.md
+    "Frames"), checked on receipt before decoding. A rank whose hop-1 frames disagree
+    with its arguments still takes part in hop 2, sending frames marked poisoned, so
+    every rank raises :class:`qcoll.comm.RankMismatchError` promptly (in ``wait()``
+    for async calls): the ranks that received mismatching frames name the peer and
+    both values, the others name the rank that passed the poison on. Where the
+    buffers' sizes differ gloo aborts a rank that receives more bytes than it
+    expects, and its peers get the transport's error within the group's timeout.
+    ``bits=None`` (``reduce_scatter_tensor``) is not checked across ranks (only by
+    ``QCOLL_DEBUG=1``); ``op``, ``stochastic`` and ``seed`` only act locally.
     """
     topology = topology if topology is not None else current_topology()
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be a qcoll Topology (none was constructed yet), got {topology!r}")
+    topology.check_live()
     validate.check_tensor(output, "output")
     validate.check_tensor(input, "input", contiguous=False)
     validate.check_same(output, input, "output and input")
@@ -72,58 +119,109 @@ def reduce_scatter_quantized(
     if not isinstance(stochastic, bool):
         raise TypeError(f"stochastic must be a bool, got {stochastic!r}")
     fmt.check_seed(seed)
-    W, N, L = topology.world_size, topology.num_nodes, topology.ranks_per_node
+    W = topology.world_size
     S = output.numel()
     if input.numel() != W * S:
         raise ValueError(f"input must have world x output numel = {W} x {S} = {W * S} elements, got {input.numel()}")
     validate.debug_check("reduce_scatter", None, S, bits, block_size, input.dtype, input.device)
     if bits is None:
         return _baseline(output, input, W, op, async_op)
-    my_seed = rank_seed(seed, topology.rank) if stochastic else 0
-    x3 = input.reshape(N, L, S)
-    out_flat = output.view(-1)
-    chunks = _chunk_bounds(S, block_size, num_chunks)
+    call = _Qgz(output, input, bits, block_size, topology, op == "avg", stochastic, seed, num_chunks)
+    return finish(call.complete, async_op)
 
-    def hop1(a, b):
-        w = b - a
-        q1 = rows.swizzle_quantize(x3[:, :, a:b].contiguous(), N, L, bits, block_size, stochastic, my_seed, a)
-        q1 = q1.view(L, N, -1)
-        if L == 1:
-            return q1, None
-        return _all_to_all(q1, topology.intra_group, L)
 
-    def hop2(k):
-        a, b = chunks[k]
-        recv1, work1 = pending[k]
-        if work1 is not None:
-            work1.wait()
-        if N == 1:
-            return recv1, None
-        if L == 1:
-            q2 = recv1[0]
+class _Qgz:
+    """One quantized reduce-scatter: launched on construction (hop 1 of chunk ``k+1`` goes
+    out before hop 2 of chunk ``k``), finished by :meth:`complete`.
+
+    A hop whose frames disagree with this rank's arguments is recorded in ``failures``;
+    every remaining hop still runs (hop 2 sends poisoned frames for a failed hop 1), so
+    no peer is left waiting, and :meth:`complete` raises the first failure.
+    """
+
+    def __init__(self, output, input, bits, block_size, topology, average, stochastic, seed, num_chunks):
+        self.t, self.bits, self.block_size, self.average = topology, bits, block_size, average
+        self.stochastic = stochastic
+        self.seed = rank_seed(seed, topology.rank) if stochastic else 0
+        self.N, self.L = topology.num_nodes, topology.ranks_per_node
+        self.output = output
+        S = output.numel()
+        self.x3 = input.reshape(self.N, self.L, S)
+        self.chunks = _chunk_bounds(S, block_size, num_chunks)
+        self.failures: list[RankMismatchError] = []
+        self.receipt1, self.receipt2 = _hop_receipt(topology, 1), _hop_receipt(topology, 2)
+        self.first = {0: self._hop1(0)} if self.chunks else {}
+        self.second = {}
+        for k in range(len(self.chunks)):
+            if k + 1 < len(self.chunks):
+                self.first[k + 1] = self._hop1(k + 1)
+            self.second[k] = self._hop2(k)
+
+    def _header(self, k: int) -> framing.Header:
+        a, b = self.chunks[k]
+        return framing.Header(self.bits, self.block_size, b - a)
+
+    def _hop1(self, k: int):
+        """Reorder and quantize chunk ``k``, send each local peer its N slices; (recv, work)."""
+        a, b = self.chunks[k]
+        q1 = rows.swizzle_quantize(self.x3[:, :, a:b].contiguous(), self.N, self.L, self.bits, self.block_size,
+                                   self.stochastic, self.seed, a)
+        if self.L == 1:
+            return q1.view(1, self.N, -1), None
+        return _all_to_all(framing.frame(q1.view(self.L, -1), self._header(k)), self.t.intra_group, self.L)
+
+    def _received(self, k: int, hop: int, recv, work, shape):
+        """The checked payload of a hop's frames in ``shape``, or None (recorded) when they disagree."""
+        name = "reduce_scatter (intra-node hop)" if hop == 1 else "reduce_scatter (inter-node hop)"
+        header = self._header(k)
+        wait_work(work, name, lambda: f"frames of {recv.shape[1]} bytes ({header.describe()})")
+        try:
+            return framing.unframe(recv, header, self.receipt1 if hop == 1 else self.receipt2).view(*shape)
+        except RankMismatchError as e:
+            self.failures.append(e)
+            return None
+
+    def _hop2(self, k: int):
+        """Reduce chunk ``k``'s node partial sums, requantize, send each node its slice; (recv, work)."""
+        recv1, work1 = self.first[k]
+        got = recv1 if work1 is None else self._received(k, 1, recv1, work1, (self.L, self.N, -1))
+        if self.N == 1:
+            return got, None
+        a, b = self.chunks[k]
+        header = self._header(k)
+        if got is None:          # pass the failure on instead of leaving the other nodes waiting
+            return self._poison(header)
+        if self.L == 1:
+            q2 = got[0]
         else:
-            q2 = rows.reduce_requantize(recv1, b - a, bits, block_size, bits, block_size, stochastic, my_seed, a)
-        return _all_to_all(q2.view(N, 1, -1), topology.inter_group, N)
+            q2 = rows.reduce_requantize(got, b - a, self.bits, self.block_size, self.bits, self.block_size,
+                                        self.stochastic, self.seed, a)
+        return _all_to_all(framing.frame(q2.view(self.N, -1), header), self.t.inter_group, self.N)
 
-    pending = {0: hop1(*chunks[0])} if chunks else {}
-    second = {}
-    for k in range(len(chunks)):
-        if k + 1 < len(chunks):
-            pending[k + 1] = hop1(*chunks[k + 1])
-        second[k] = hop2(k)
+    def _poison(self, header: framing.Header):
+        """Hop 2 after a hop-1 mismatch: poisoned headers out; peers' frames received into room
+        for this rank's frame or for one with the disagreeing sender's arguments, whichever is larger."""
+        capacity = framing.HEADER_BYTES + header.payload_nbytes()
+        other = self.failures[-1].got
+        if other is not None:
+            capacity = max(capacity, framing.HEADER_BYTES + other.payload_nbytes())
+        return _poison_all_to_all(header, capacity, self.t.inter_group, self.N, self.t.node, self.output.device)
 
-    def complete():
-        for k, (a, b) in enumerate(chunks):
-            recv, work = second[k]
-            if work is not None:
-                work.wait()
-            total = rows.dequantize_reduce(recv, b - a, bits, block_size)[0]
-            if op == "avg":
-                total = total / W
+    def complete(self):
+        """Wait for every hop, reduce each chunk into the output; raise the first mismatch."""
+        out_flat = self.output.view(-1)
+        for k, (a, b) in enumerate(self.chunks):
+            recv, work = self.second[k]
+            got = recv if work is None else self._received(k, 2, recv, work, (self.N, 1, -1))
+            if self.failures:
+                continue         # keep waiting for every hop, decode nothing
+            total = rows.dequantize_reduce(got, b - a, self.bits, self.block_size)[0]
+            if self.average:
+                total = total / self.t.world_size
             out_flat[a:b].copy_(total)
-        return output
-
-    return finish(complete, async_op)
+        if self.failures:
+            raise self.failures[0]
+        return self.output
 
 
 def _baseline(output, input, world, op, async_op):
@@ -132,7 +230,7 @@ def _baseline(output, input, world, op, async_op):
     work = reduce_scatter_flat(output, src, group=None, async_op=True)
 
     def complete():
-        work.wait()
+        wait_work(work, "reduce_scatter", lambda: f"an unquantized input of {src.numel()} elements")
         if op == "avg":
             output.div_(world)
         return output

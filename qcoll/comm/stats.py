@@ -3,7 +3,9 @@
 Counts what a bandwidth-optimal algorithm sends from this rank to others
 (DESIGN.md): all-gather ``(g-1) x`` own buffer, all-to-all the buffers for the
 other ``g-1`` peers, reduce-scatter ``(g-1)/g x`` input bytes. A group that spans
-nodes counts as inter-node.
+nodes counts as inter-node. The frame headers of the quantized collectives
+(docs/FORMAT.md, "Frames") are part of those buffers and so of ``intra_bytes`` and
+``inter_bytes``; ``header_bytes`` says how many of the bytes counted were headers.
 """
 from __future__ import annotations
 
@@ -20,12 +22,15 @@ from .topology import current_topology
 class CommStats:
     intra_bytes: int = 0
     inter_bytes: int = 0
+    header_bytes: int = 0
     calls: dict = field(default_factory=lambda: defaultdict(int))
 
-    def add(self, op: str, group, nbytes: int) -> None:
+    def add(self, op: str, group, nbytes: int, header_bytes: int = 0) -> None:
+        """Count ``nbytes`` handed to ``group``'s peers, ``header_bytes`` of them frame headers."""
         self.calls[op] += 1
         if nbytes <= 0:
             return
+        self.header_bytes += header_bytes
         if group_spans_nodes(group):
             self.inter_bytes += nbytes
         else:
@@ -34,10 +39,12 @@ class CommStats:
     def reset(self) -> None:
         self.intra_bytes = 0
         self.inter_bytes = 0
+        self.header_bytes = 0
         self.calls.clear()
 
     def snapshot(self) -> dict:
-        return {"intra_bytes": self.intra_bytes, "inter_bytes": self.inter_bytes, "calls": dict(self.calls)}
+        return {"intra_bytes": self.intra_bytes, "inter_bytes": self.inter_bytes,
+                "header_bytes": self.header_bytes, "calls": dict(self.calls)}
 
 
 stats = CommStats()

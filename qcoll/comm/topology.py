@@ -19,6 +19,13 @@ def _default_timeout() -> datetime.timedelta:
         return dist.distributed_c10d._get_default_timeout(dist.get_backend())
 
 
+def group_is_live(group) -> bool:
+    """Whether ``group`` is a process group of the current ``torch.distributed`` state (not one
+    destroyed by ``destroy_process_group``; a re-initialized default group makes new groups)."""
+    pg_map = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    return dist.is_initialized() and (pg_map is None or group in pg_map)
+
+
 class Topology:
     """How the ranks of the default group are split into nodes.
 
@@ -55,6 +62,16 @@ class Topology:
         self.world_group = dist.group.WORLD
         global _current
         _current = self
+
+    def check_live(self) -> None:
+        """Raise RuntimeError when the process groups this topology was built on were destroyed
+        (``dist.destroy_process_group``, possibly followed by a new ``init_process_group``)."""
+        if (dist.is_initialized() and dist.group.WORLD is self.world_group and group_is_live(self.intra_group)
+                and group_is_live(self.inter_group)):
+            return
+        raise RuntimeError(f"qcoll {self!r} was built on process groups that have since been destroyed "
+                           f"(torch.distributed.destroy_process_group); build a new qcoll.Topology after "
+                           f"init_process_group and use it instead")
 
     @classmethod
     def from_env(cls) -> "Topology":

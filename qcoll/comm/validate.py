@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from .c10d import all_gather_flat
 from ..quant import format as fmt
+from .errors import RankMismatchError
+from .topology import Topology, group_is_live
 
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _OPS = {"all_gather": 1, "replica_gather": 2, "reduce_scatter": 3}
@@ -43,6 +45,22 @@ def check_async(async_op) -> None:
         raise TypeError(f"async_op must be a bool, got {async_op!r}")
 
 
+def check_group(group, name: str = "group") -> None:
+    """``group`` is None (the default group) or a live process group."""
+    if group is not None and not group_is_live(group):
+        raise ValueError(f"{name} {group!r} is not a live process group: it was destroyed "
+                         f"(torch.distributed.destroy_process_group); create groups (and a qcoll.Topology) "
+                         f"again after init_process_group")
+
+
+def check_topology(topology, name: str = "topology") -> Topology:
+    """``topology`` is a qcoll Topology whose process groups still exist."""
+    if not isinstance(topology, Topology):
+        raise TypeError(f"{name} must be a qcoll Topology, got {topology!r}")
+    topology.check_live()
+    return topology
+
+
 def debug_enabled() -> bool:
     return os.environ.get("QCOLL_DEBUG", "0") not in ("", "0", "false", "False")
 
@@ -62,4 +80,5 @@ def debug_check(op: str, group, numel: int, bits, block_size: int, dtype: torch.
     rows = ", ".join(
         f"rank {r}: " + " ".join(f"{f}={int(v)}" for f, v in zip(fields, row)) for r, row in zip(ranks, every.tolist())
     )
-    raise ValueError(f"qcoll {op}: ranks passed different metadata (QCOLL_DEBUG check): {rows}")
+    raise RankMismatchError(f"qcoll {op}: ranks passed different metadata (QCOLL_DEBUG check): {rows}",
+                            op, dist.get_rank())
