@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from ..quant import format as fmt
+from ..quant.rng import mix32_int as mix32
 from .errors import RankMismatchError
 
 HEADER_BYTES = 16
@@ -29,19 +30,8 @@ FLAG_POISONED = 0x01
 MAX_NUMEL = 2**48 - 1
 _PREFIX = struct.Struct("<2sBBBB6s")   # magic, version, flags, bits, log2(block_size), numel (u48)
 _CHECK = struct.Struct("<I")
-_MASK32 = 0xFFFFFFFF
 
 _enabled = True
-
-
-def mix32(x: int) -> int:
-    """The lowbias32 hash of docs/FORMAT.md on one 32-bit value."""
-    x &= _MASK32
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & _MASK32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
 
 
 def check_value(prefix: bytes) -> int:

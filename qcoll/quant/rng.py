@@ -28,8 +28,13 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def mix32_int(x: int) -> int:
-    """mix32 for one Python int (host-side seed derivation)."""
-    return int(mix32(torch.tensor([x & MASK32], dtype=torch.int64))[0])
+    """mix32 for one Python int (host-side: seeds, frame check values), in plain integers."""
+    x &= MASK32
+    x ^= x >> 16
+    x = (x * MIX_C1) & MASK32
+    x ^= x >> 15
+    x = (x * MIX_C2) & MASK32
+    return x ^ (x >> 16)
 
 
 def uniform(seed: int, offset: int, count: int, device) -> torch.Tensor:
