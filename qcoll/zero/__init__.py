@@ -5,25 +5,27 @@
     loss = model(x).loss; loss.backward(); opt.step(); opt.zero_grad()
     qcoll.zero.save(path, model, opt) / qcoll.zero.load(path, model, opt)
 """
+from .adaptive import AdaptiveBatch
 from .config import ZeroConfig
 from .memory import memory_report
 from .model import ShardedModel, ZeroModule, shard
 from .optimizer import LossScaler, Optimizer
 from .state import ZeroState, state_of
 
-__all__ = ["shard", "ZeroModule", "ShardedModel", "ZeroState", "state_of", "ZeroConfig", "Optimizer", "LossScaler", "save", "load", "memory_report"]
+__all__ = ["AdaptiveBatch", "shard", "ZeroModule", "ShardedModel", "ZeroState", "state_of", "ZeroConfig", "Optimizer", "LossScaler", "save", "load", "memory_report"]
 
 
-def save(checkpoint_dir, model, optimizer=None) -> None:
-    """Save the sharded model (and optimizer) state with torch.distributed.checkpoint (collective).
-    See :mod:`qcoll.zero.checkpoint` (imported on first use: DCP is slow to import)."""
+def save(checkpoint_dir, model, optimizer=None, adaptive=None) -> None:
+    """Save the sharded model (and optimizer, and :class:`AdaptiveBatch` controller) state with
+    torch.distributed.checkpoint (collective). See :mod:`qcoll.zero.checkpoint` (imported on
+    first use: DCP is slow to import)."""
     from .checkpoint import save as _save
 
-    _save(checkpoint_dir, model, optimizer)
+    _save(checkpoint_dir, model, optimizer, adaptive)
 
 
-def load(checkpoint_dir, model, optimizer=None) -> None:
+def load(checkpoint_dir, model, optimizer=None, adaptive=None) -> None:
     """Load a checkpoint written by :func:`save`, with any world size (collective)."""
     from .checkpoint import load as _load
 
-    _load(checkpoint_dir, model, optimizer)
+    _load(checkpoint_dir, model, optimizer, adaptive)

@@ -91,8 +91,27 @@ def _optimizer_state(opt: Optimizer) -> dict:
     return out
 
 
-def _check(model, optimizer):
+def _adaptive_state(ctl) -> dict:
+    """The controller's state as fixed-shape tensors (the history padded with NaN to its window)."""
+    history = torch.full((ctl.window,), float("nan"), dtype=torch.float64)
+    history[: len(ctl.history)] = torch.tensor(list(ctl.history), dtype=torch.float64)
+    return {"batch": torch.tensor(ctl.batch, dtype=torch.float64), "steps": torch.tensor(ctl.steps),
+            "history": history, "last_cosine": torch.tensor(ctl.last_cosine, dtype=torch.float64),
+            "base_lrs": torch.tensor(ctl.base_lrs, dtype=torch.float64)}
+
+
+def _restore_adaptive(ctl, saved: dict) -> None:
+    history = [float(c) for c in saved["history"].tolist() if c == c]
+    ctl.load_state_dict({"batch": float(saved["batch"]), "steps": int(saved["steps"]), "history": history,
+                         "last_cosine": float(saved["last_cosine"]), "base_lrs": saved["base_lrs"].tolist()})
+
+
+def _check(model, optimizer, adaptive=None):
+    from .adaptive import AdaptiveBatch
+
     state_of(model)  # a TypeError unless qcoll.zero.shard(...) sharded it
+    if adaptive is not None and (not isinstance(adaptive, AdaptiveBatch) or adaptive.optimizer is not optimizer):
+        raise TypeError("adaptive must be the qcoll.zero.AdaptiveBatch of this optimizer")
     if optimizer is not None and (not isinstance(optimizer, Optimizer) or optimizer.model is not model):
         raise TypeError("optimizer must be the qcoll.zero.Optimizer of this model")
 
@@ -130,7 +149,7 @@ def _install(tmp: str, path: str):
         raise
 
 
-def save(checkpoint_dir, model, optimizer: Optimizer | None = None) -> None:
+def save(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=None) -> None:
     """Save the sharded model (and optimizer) state to ``checkpoint_dir`` (collective).
 
     ``checkpoint_dir`` (a str or os.PathLike) is replaced as a whole and atomically: every rank
@@ -143,7 +162,7 @@ def save(checkpoint_dir, model, optimizer: Optimizer | None = None) -> None:
     empty and not a checkpoint is refused with a ValueError, untouched. One save at a time per
     directory.
     """
-    _check(model, optimizer)
+    _check(model, optimizer, adaptive)
     path = atomic_dir.checkpoint_path(checkpoint_dir)
     state_of(model).engine.wait_reduces()
     tmp = _on_rank0(atomic_dir.prepare_save, path)
@@ -152,6 +171,8 @@ def save(checkpoint_dir, model, optimizer: Optimizer | None = None) -> None:
         if optimizer is not None:
             _ensure_optimizer_state(optimizer)
             state["optim"] = _optimizer_state(optimizer)
+        if adaptive is not None:
+            state["adaptive"] = _adaptive_state(adaptive)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, overwrite=False))
         dist.barrier()  # every rank's files are written and synced before rank 0 moves the directory
     except BaseException:
@@ -163,13 +184,13 @@ def save(checkpoint_dir, model, optimizer: Optimizer | None = None) -> None:
         atomic_dir.discard(superseded)
 
 
-def load(checkpoint_dir, model, optimizer: Optimizer | None = None) -> None:
+def load(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=None) -> None:
     """Load a checkpoint written by :func:`save`, with any world size (collective).
 
     FileNotFoundError when ``checkpoint_dir`` does not exist or holds no checkpoint (on every
     rank). If a save was cut short at the one point where ``checkpoint_dir`` is missing (the
     fallback without an atomic exchange), the previous checkpoint is restored and loaded."""
-    _check(model, optimizer)
+    _check(model, optimizer, adaptive)
     path = atomic_dir.checkpoint_path(checkpoint_dir)
     state_of(model).engine.wait_reduces()
     path = _on_rank0(atomic_dir.resolve_load, path)
@@ -177,6 +198,8 @@ def load(checkpoint_dir, model, optimizer: Optimizer | None = None) -> None:
     if optimizer is not None:
         _ensure_optimizer_state(optimizer)
         state["optim"] = _optimizer_state(optimizer)
+    if adaptive is not None:
+        state["adaptive"] = _adaptive_state(adaptive)
     dcp.load(state, storage_reader=dcp.FileSystemReader(path))
     groups = {g.name: g for g in state_of(model).groups}
     with torch.no_grad():
@@ -194,6 +217,8 @@ def load(checkpoint_dir, model, optimizer: Optimizer | None = None) -> None:
     state_of(model).engine.micro_step = int(state["engine"]["micro_step"])
     if optimizer is not None:
         _restore_optimizer(optimizer, state["optim"], groups)
+    if adaptive is not None:
+        _restore_adaptive(adaptive, state["adaptive"])
 
 
 def _restore_optimizer(opt: Optimizer, saved: dict, groups: dict) -> None:

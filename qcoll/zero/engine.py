@@ -32,6 +32,8 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from ..comm import similarity as sim
+from ..comm.stats import stats
 from ..quant.rng import mix32_int
 from .flat import FlatGroup
 from .units import Unit
@@ -84,6 +86,9 @@ class Engine:
         self._probe = None
         self.busy = False                  # inside the engine's own hooks (the probe looks away)
         self.peak_gathered_bytes = 0       # most full-parameter bytes held at once (after each gather)
+        self.measure_similarity = False    # SimiGrad: measure the half-batch cosine in each reduction
+        self.last_similarity = None        # the cosine of the last measured backward (NaN: undefined)
+        self._similarity = None            # this backward's local statistics, while reducing
         self._group_of = {id(p): g for g in groups for p in g.params}
         self._hooks = [
             root.register_forward_pre_hook(torch.compiler.disable(self._begin_forward), prepend=True,
@@ -215,7 +220,9 @@ class Engine:
         return mix32_int(mix32_int(self.micro_step + 1) ^ (group.index + 1))
 
     def _reduce(self, group: FlatGroup) -> None:
-        handle, shard = group.launch_reduce(self._seed(group))
+        if self.measure_similarity and self._similarity is None:
+            self._similarity = sim.new_stats(group.master.device)
+        handle, shard = group.launch_reduce(self._seed(group), self._similarity)
         self.reduces.append((group, handle, shard))
         group.backward_hold = False
         if group.secondary is not None:
@@ -229,11 +236,23 @@ class Engine:
                     if g.trainable and not g.reduce_launched:
                         self._reduce(g)
             self.wait_reduces()
+            self._finish_similarity()
         finally:
+            self._similarity = None
             for g in self.groups:
                 g.end_backward()
             self.in_backward = False
             self.micro_step += 1
+
+    def _finish_similarity(self) -> None:
+        """Sum the statistics over the world (one all-reduce of 3 fp32 numbers: the noise
+        corrections are subtracted before sending) and keep the half-batch cosine."""
+        if self._similarity is None:
+            return
+        local = torch.tensor(sim.corrected(self._similarity), dtype=torch.float32, device=self._similarity.device)
+        stats.add("similarity_all_reduce", None, local.numel() * local.element_size())
+        torch.distributed.all_reduce(local)
+        self.last_similarity = sim.cosine(*local.double().tolist())
 
     def wait_reduces(self) -> None:
         reduces, self.reduces = self.reduces, []

@@ -120,11 +120,12 @@ class FlatGroup:
             self.gathered = False
 
     # ------------------------------------------------------------------ gradients
-    def launch_reduce(self, seed: int):
+    def launch_reduce(self, seed: int, similarity: torch.Tensor | None = None):
         """Flatten the parameters' gradients, drop them, and start the qgZ reduce-scatter.
 
         Returns ``(handle, shard)``: after ``handle.wait()``, ``shard`` holds this rank's
-        slice of the world-averaged gradient (fp32).
+        slice of the world-averaged gradient (fp32) and ``similarity`` (if given) this
+        slice's half-batch statistics added (see ``reduce_scatter_quantized``).
         """
         cfg = self.config
         W, S = self.topology.world_size, self.shard_numel
@@ -136,7 +137,8 @@ class FlatGroup:
         shard = torch.empty(S, dtype=torch.float32, device=self.master.device)
         handle = reduce_scatter_quantized(shard, flat, bits=cfg.grad_bits, block_size=cfg.grad_block,
                                           topology=self.topology, op="avg", stochastic=cfg.stochastic_grad_rounding,
-                                          seed=seed if cfg.stochastic_grad_rounding else 0, async_op=True)
+                                          seed=seed if cfg.stochastic_grad_rounding else 0, async_op=True,
+                                          similarity=similarity)
         self.reduce_launched = True
         return handle, shard
 
