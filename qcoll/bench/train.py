@@ -13,7 +13,16 @@ JSON (``--json FILE``): ``{"command": "train", "world", "ranks_per_node", "args"
 "runs": [{"mode", "step_time_s", "tokens_per_s", "losses": [...], "first_loss",
 "final_loss", "intra_bytes_per_step", "inter_bytes_per_step", "link_bytes_per_step"
 (null outside a cluster), "speedup_vs_zero3", "inter_ratio_vs_zero3", "link_ratio_vs_zero3",
-"memory": {...}}]}``. ``--plot FILE.png``: loss curves.
+"memory": {...}, "samples_to_target", "time_to_target_s", "steps_to_target"}]}``. ``--plot FILE.png``:
+loss curves (with ``--adaptive-batch`` also the batch and the cosine per step).
+
+``--adaptive-batch TARGET`` trains each mode with SimiGrad's adaptive batch
+(:mod:`qcoll.bench.adaptive`): ``--batch`` is then the global micro-batch, the
+step's batch is a number of them chosen by the cosine the gradient reduction
+measures; per step it prints the loss, cosine, batch and learning rate, and each run
+gets ``cosines``, ``batches``, ``lrs``, ``step_seconds`` in the JSON. ``--target-loss``
+(any run) reports the samples and wall time until the mean of the last
+``--loss-window`` step losses reaches it.
 """
 from __future__ import annotations
 
@@ -24,7 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import cli
+from . import adaptive, cli
 from .launch import run_ranks
 from .linkmeter import LinkMeter
 
@@ -53,6 +62,17 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--heads", type=cli.positive_int, default=4, help="attention heads (default 4)")
     p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
     p.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+    g = p.add_argument_group("adaptive batch (SimiGrad) and time to a target loss")
+    g.add_argument("--adaptive-batch", type=float, default=None, metavar="TARGET",
+                   help="adapt the batch to hold this half-batch gradient cosine (e.g. 0.8)")
+    g.add_argument("--max-accumulation", type=cli.positive_int, default=16,
+                   help="most micro-batches of --batch per adaptive step (default 16)")
+    g.add_argument("--similarity-window", type=cli.positive_int, default=5,
+                   help="adaptive: mean of the last N cosines is compared with the target (default 5)")
+    g.add_argument("--target-loss", type=float, default=None,
+                   help="report samples and wall time until the running training loss reaches this")
+    g.add_argument("--loss-window", type=cli.positive_int, default=10,
+                   help="steps in the running mean of --target-loss (default 10)")
     cli.add_common_options(p, iters=1, warmup=2)
     p.set_defaults(func=main)
     return p
@@ -68,6 +88,12 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--warmup {args.warmup} must be smaller than --steps {args.steps}")
     if not args.lr > 0:
         parser.error(f"--lr must be positive, got {args.lr}")
+    if args.adaptive_batch is not None and not 0 < args.adaptive_batch < 1:
+        parser.error(f"--adaptive-batch must be a cosine in (0, 1), got {args.adaptive_batch}")
+    if args.adaptive_batch is not None and "fsdp2" in args.peer:
+        parser.error("--adaptive-batch runs qcoll modes only; drop --peer fsdp2")
+    if args.loss_window > args.steps:
+        parser.error(f"--loss-window {args.loss_window} must not exceed --steps {args.steps}")
     run_ranks(_rank_main, args, args.nproc, args.ranks_per_node)
     return 0
 
@@ -106,7 +132,7 @@ def _steps(args, forward_backward, step, rank, world):
     link = (meter.read() - link_start) / (args.steps - args.warmup) if meter is not None else None
     slowest = torch.tensor([statistics.median(times[args.warmup:])], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return losses, float(slowest), traffic[-1], link
+    return losses, float(slowest), traffic[-1], link, times
 
 
 def _run_qcoll(args, mode, topo):
@@ -128,8 +154,8 @@ def _run_qcoll(args, mode, topo):
         memory.update(zero.memory_report(m, opt))
         opt.zero_grad()
 
-    losses, seconds, (intra, inter), link = _steps(args, fb, step, topo.rank, topo.world_size)
-    return losses, seconds, intra, inter, link, memory
+    losses, seconds, (intra, inter), link, times = _steps(args, fb, step, topo.rank, topo.world_size)
+    return losses, seconds, intra, inter, link, memory, times
 
 
 def _run_fsdp2(args, topo):
@@ -152,14 +178,14 @@ def _run_fsdp2(args, topo):
         opt.step()
         opt.zero_grad()
 
-    losses, seconds, _, link = _steps(args, fb, step, topo.rank, topo.world_size)
+    losses, seconds, _, link, times = _steps(args, fb, step, topo.rank, topo.world_size)
     # FSDP2 moves fp32 all-gathers (forward and backward) and a reduce-scatter over the world
     # group per unit; counted by DESIGN.md's rule, with the world spanning nodes (inter-node).
     W = topo.world_size
     shard_elems = sum(-(-p.numel() // W) for p in _model(args).parameters())
     inter = 3 * (W - 1) * 4 * shard_elems if topo.num_nodes > 1 else 0
     intra = 0 if topo.num_nodes > 1 else 3 * (W - 1) * 4 * shard_elems
-    return losses, seconds, intra, inter, link, {}
+    return losses, seconds, intra, inter, link, {}, times
 
 
 def _rank_main(args) -> None:
@@ -169,13 +195,19 @@ def _rank_main(args) -> None:
     tokens = args.batch * args.context
     runs = []
     for mode in list(args.modes) + list(args.peer):
+        if args.adaptive_batch is not None:
+            runs.append(_adaptive_run(args, mode, topo))
+            continue
         if mode == "fsdp2":
-            losses, seconds, intra, inter, link, memory = _run_fsdp2(args, topo)
+            losses, seconds, intra, inter, link, memory, times = _run_fsdp2(args, topo)
         else:
-            losses, seconds, intra, inter, link, memory = _run_qcoll(args, mode, topo)
+            losses, seconds, intra, inter, link, memory, times = _run_qcoll(args, mode, topo)
+        samples, wall, steps = adaptive.to_target(losses, [args.batch] * len(losses), times, args.target_loss,
+                                                  args.loss_window)
         runs.append({"mode": mode, "step_time_s": seconds, "tokens_per_s": tokens / seconds, "losses": losses,
                      "first_loss": losses[0], "final_loss": losses[-1], "intra_bytes_per_step": intra,
-                     "inter_bytes_per_step": inter, "link_bytes_per_step": link, "memory": memory})
+                     "inter_bytes_per_step": inter, "link_bytes_per_step": link, "memory": memory,
+                     "samples_to_target": samples, "time_to_target_s": wall, "steps_to_target": steps})
     base = next((r for r in runs if r["mode"] == "zero3"), None)
     for r in runs:
         r["speedup_vs_zero3"] = base["step_time_s"] / r["step_time_s"] if base else None
@@ -185,33 +217,67 @@ def _rank_main(args) -> None:
                                     if base and base["link_bytes_per_step"] else None)
     if topo.rank != 0:
         return
+    for r in runs:
+        if "cosines" in r:
+            print(format_adaptive(r), flush=True)
     print(format_table(runs), flush=True)
     if args.json:
         cli.write_json(args.json, {"command": NAME, "world": topo.world_size, "ranks_per_node": topo.ranks_per_node,
                                    "args": {k: getattr(args, k) for k in ("modes", "peer", "steps", "batch",
                                                                            "context", "d_model", "layers", "heads",
-                                                                           "lr", "seed", "warmup")},
+                                                                           "lr", "seed", "warmup", "adaptive_batch",
+                                                                           "max_accumulation", "similarity_window",
+                                                                           "target_loss", "loss_window")},
                                    "runs": runs})
     if args.plot:
         _plot(runs, args.plot)
 
 
+def _adaptive_run(args, mode, topo) -> dict:
+    rec = adaptive.run(args, MODES[mode], topo, _model(args))
+    seconds = statistics.median(rec["seconds"][args.warmup:])
+    samples, wall, steps = adaptive.to_target(rec["losses"], rec["batches"], rec["seconds"], args.target_loss,
+                                              args.loss_window)
+    tokens = statistics.mean(rec["batches"][args.warmup:]) * args.context
+    return {"mode": f"{mode}+adaptive", "step_time_s": seconds, "tokens_per_s": tokens / seconds,
+            "losses": rec["losses"], "first_loss": rec["losses"][0], "final_loss": rec["losses"][-1],
+            "intra_bytes_per_step": None, "inter_bytes_per_step": rec["inter_bytes"][-1], "link_bytes_per_step": None,
+            "memory": {}, "samples_to_target": samples, "time_to_target_s": wall, "steps_to_target": steps,
+            "cosines": rec["cosines"], "batches": rec["batches"], "lrs": rec["lrs"], "step_seconds": rec["seconds"]}
+
+
+def format_adaptive(r: dict) -> str:
+    lines = [f"{r['mode']}: {'step':>5} {'loss':>7} {'cosine':>7} {'batch':>6} {'lr':>9} {'ms':>8}"]
+    pad = " " * (len(r["mode"]) + 2)
+    for i, (loss, cos, b, lr, sec) in enumerate(zip(r["losses"], r["cosines"], r["batches"], r["lrs"],
+                                                    r["step_seconds"])):
+        lines.append(f"{pad}{i + 1:>5} {loss:>7.3f} {cos:>7.3f} {b:>6} {lr:>9.2e} {sec * 1e3:>8.1f}")
+    return "\n".join(lines)
+
+
 def format_table(runs: list[dict]) -> str:
     metered = any(r.get("link_bytes_per_step") is not None for r in runs)
+    targeted = any(r.get("steps_to_target") is not None for r in runs)
     head = (f"{'mode':>10} {'step(ms)':>9} {'tokens/s':>9} {'loss0':>7} {'loss':>7} {'intra/step':>11} "
             f"{'inter/step':>11} {'speedup':>8} {'inter_x':>8}")
     if metered:
         head += f" {'link/step':>11} {'link_x':>7}"
+    if targeted:
+        head += f" {'samples>tgt':>11} {'s>tgt':>7}"
     lines = [head]
     for r in runs:
         sp = f"{r['speedup_vs_zero3']:.2f}" if r["speedup_vs_zero3"] else "-"
         ir = f"{r['inter_ratio_vs_zero3']:.3f}" if r["inter_ratio_vs_zero3"] is not None else "-"
+        intra = r["intra_bytes_per_step"] if r["intra_bytes_per_step"] is not None else "-"
         line = (f"{r['mode']:>10} {r['step_time_s'] * 1e3:>9.1f} {r['tokens_per_s']:>9.0f} "
-                f"{r['first_loss']:>7.3f} {r['final_loss']:>7.3f} {r['intra_bytes_per_step']:>11} "
+                f"{r['first_loss']:>7.3f} {r['final_loss']:>7.3f} {intra:>11} "
                 f"{r['inter_bytes_per_step']:>11} {sp:>8} {ir:>8}")
         if metered:
             lr = r.get("link_ratio_vs_zero3")
             line += f" {round(r['link_bytes_per_step'] or 0):>11} {f'{lr:.3f}' if lr is not None else '-':>7}"
+        if targeted:
+            n, sec = r.get("samples_to_target"), r.get("time_to_target_s")
+            line += f" {n if n is not None else '-':>11} {f'{sec:.1f}' if sec is not None else '-':>7}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -222,7 +288,9 @@ def _plot(runs: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    adaptive_runs = [r for r in runs if "cosines" in r]
+    fig, axes = plt.subplots(1, 3 if adaptive_runs else 1, figsize=(14 if adaptive_runs else 7, 4.5), squeeze=False)
+    ax = axes[0][0]
     for r in runs:
         ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["mode"], linewidth=1)
     ax.set_xlabel("step")
@@ -230,6 +298,13 @@ def _plot(runs: list[dict], path: str) -> None:
     ax.set_title("char transformer on the Python stdlib sources")
     ax.legend()
     ax.grid(alpha=0.3)
+    for ax, key, label in ((axes[0][1], "batches", "global batch (sequences)"),
+                           (axes[0][2], "cosines", "half-batch gradient cosine")) if adaptive_runs else ():
+        for r in adaptive_runs:
+            ax.plot(range(1, len(r[key]) + 1), r[key], label=r["mode"], linewidth=1)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,0 +1,70 @@
+"""``qcoll-bench train --adaptive-batch TARGET``: one mode trained with SimiGrad's adaptive batch.
+
+Each step accumulates ``accumulation_steps`` micro-batches of ``--batch`` sequences
+(the global micro-batch) under ``no_sync`` but the last, whose backward reduces the
+step's gradient with qgZ and measures the half-batch cosine; the controller
+(:class:`qcoll.zero.AdaptiveBatch`) then sets the next step's accumulation and the
+learning rate (``--lr`` x sqrt(batch / batch0)). Also :func:`to_target`: samples and
+wall time until the running mean of the training loss reaches ``--target-loss``,
+for adaptive and static runs alike.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def to_target(losses: list[float], samples: list[int], seconds: list[float], target: float | None,
+              window: int) -> tuple[int | None, float | None, int | None]:
+    """``(samples, wall seconds, steps)`` until the mean of the last ``window`` step losses
+    first reaches ``target`` (None when it never does or no target is set)."""
+    if target is None:
+        return None, None, None
+    for i in range(window - 1, len(losses)):
+        if sum(losses[i - window + 1: i + 1]) / window <= target:
+            return sum(samples[: i + 1]), sum(seconds[: i + 1]), i + 1
+    return None, None, None
+
+
+def run(args, mode_config: dict, topo, model) -> dict:
+    """Train ``model`` (fresh) for ``--steps`` adaptive steps; the per-step record on every rank."""
+    from .. import zero
+    from ..comm import stats
+    from .textdata import Batches, stdlib_bytes
+
+    rank, world = topo.rank, topo.world_size
+    m = zero.shard(model, topo, zero.ZeroConfig(**mode_config), units=model.units())
+    opt = zero.Optimizer(m, torch.optim.AdamW, lr=args.lr, weight_decay=0.0)
+    ctl = zero.AdaptiveBatch(opt, target=args.adaptive_batch, max_accumulation=args.max_accumulation,
+                             window=args.similarity_window)
+    batches = Batches(stdlib_bytes(), args.batch, args.context, args.seed + 1)
+    record = {"losses": [], "cosines": [], "batches": [], "lrs": [], "seconds": [], "inter_bytes": []}
+    for _ in range(args.steps):
+        k = ctl.accumulation_steps
+        lr = opt.param_groups[0]["lr"]
+        dist.barrier()
+        stats.reset()
+        t0 = time.perf_counter()
+        total = torch.zeros(1, dtype=torch.float64)
+        for i in range(k):
+            x, y = batches.next(rank, world)
+            with m.no_sync() if i < k - 1 else contextlib.nullcontext():
+                loss = m(x, y) / k
+                loss.backward()
+            total += loss.detach().double()
+        opt.step()
+        ctl.update()
+        opt.zero_grad()
+        seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        dist.all_reduce(total)
+        record["losses"].append(float(total) / world)
+        record["cosines"].append(ctl.last_cosine)
+        record["batches"].append(k * args.batch)
+        record["lrs"].append(lr)
+        record["seconds"].append(float(seconds))
+        record["inter_bytes"].append(stats.stats.inter_bytes)
+    return record
