@@ -1,10 +1,12 @@
 """``qcoll-bench train --adaptive-batch TARGET``: one mode trained with SimiGrad's adaptive batch.
 
-Each step accumulates ``accumulation_steps`` micro-batches of ``--batch`` sequences
-(the global micro-batch) under ``no_sync`` but the last, whose backward reduces the
-step's gradient with qgZ and measures the half-batch cosine; the controller
-(:class:`qcoll.zero.AdaptiveBatch`) then sets the next step's accumulation and the
-learning rate (``--lr`` x sqrt(batch / batch0)). Also :func:`to_target`: samples and
+A step's batch is ``accumulation_steps`` micro-batches of ``--batch`` sequences (the
+global micro-batch), run as one forward and backward of that many sequences (one
+weight gather and one gradient reduction per step, which is what a larger batch
+amortizes on a slow link; ``--accumulate`` runs them one by one under ``no_sync``
+instead, as SimiGrad does where memory is short). The reduction measures the
+half-batch cosine; the controller (:class:`qcoll.zero.AdaptiveBatch`) then sets the
+next step's batch and the learning rate (``--lr`` x sqrt(batch / batch0)). Also :func:`to_target`: samples and
 wall time until the running mean of the training loss reaches ``--target-loss``,
 for adaptive and static runs alike.
 """
@@ -49,10 +51,12 @@ def run(args, mode_config: dict, topo, model) -> dict:
         stats.reset()
         t0 = time.perf_counter()
         total = torch.zeros(1, dtype=torch.float64)
-        for i in range(k):
-            x, y = batches.next(rank, world)
-            with m.no_sync() if i < k - 1 else contextlib.nullcontext():
-                loss = m(x, y) / k
+        micro = [batches.next(rank, world) for _ in range(k)]
+        if not args.accumulate:
+            micro = [(torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro]))]
+        for i, (x, y) in enumerate(micro):
+            with m.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
+                loss = m(x, y) / len(micro)
                 loss.backward()
             total += loss.detach().double()
         opt.step()

@@ -67,6 +67,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="adapt the batch to hold this half-batch gradient cosine (e.g. 0.8)")
     g.add_argument("--max-accumulation", type=cli.positive_int, default=16,
                    help="most micro-batches of --batch per adaptive step (default 16)")
+    g.add_argument("--accumulate", action="store_true",
+                   help="adaptive: run a step's micro-batches one by one under no_sync (default: as one batch)")
     g.add_argument("--similarity-window", type=cli.positive_int, default=5,
                    help="adaptive: mean of the last N cosines is compared with the target (default 5)")
     g.add_argument("--target-loss", type=float, default=None,
@@ -226,7 +228,7 @@ def _rank_main(args) -> None:
                                    "args": {k: getattr(args, k) for k in ("modes", "peer", "steps", "batch",
                                                                            "context", "d_model", "layers", "heads",
                                                                            "lr", "seed", "warmup", "adaptive_batch",
-                                                                           "max_accumulation", "similarity_window",
+                                                                           "max_accumulation", "accumulate", "similarity_window",
                                                                            "target_loss", "loss_window")},
                                    "runs": runs})
     if args.plot:
