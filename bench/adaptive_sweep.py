@@ -22,7 +22,7 @@ import tempfile
 def _train_args(a, batch, lr, seed, extra):
     return ["train", "--modes", "zeropp", "--steps", str(a.steps), "--warmup", "2", "--batch", str(batch),
             "--d-model", str(a.d_model), "--layers", str(a.layers), "--heads", "2", "--context", str(a.context),
-            "--lr", f"{lr:.6g}", "--seed", str(seed), "--target-loss", str(a.target_loss), "--loss-window", "10",
+            "--lr", f"{lr:.6g}", "--seed", str(seed), "--target-loss", str(a.target_loss), "--loss-window", "10", "--stop-at-target",
             *extra]
 
 
@@ -55,10 +55,10 @@ def main(argv=None):
     p.add_argument("--base-batch", type=int, default=16)
     p.add_argument("--micro", type=int, default=8, help="adaptive: the global micro-batch (batch0)")
     p.add_argument("--max-accumulation", type=int, default=16)
-    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--steps", type=int, default=300, help="cap per run (each stops at the target loss)")
     p.add_argument("--target-loss", type=float, default=2.6)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)

@@ -19,6 +19,11 @@ import torch
 import torch.distributed as dist
 
 
+def reached(losses: list[float], target: float, window: int) -> bool:
+    """Whether the mean of the last ``window`` losses is at most ``target``."""
+    return len(losses) >= window and sum(losses[-window:]) / window <= target
+
+
 def to_target(losses: list[float], samples: list[int], seconds: list[float], target: float | None,
               window: int) -> tuple[int | None, float | None, int | None]:
     """``(samples, wall seconds, steps)`` until the mean of the last ``window`` step losses
@@ -71,4 +76,6 @@ def run(args, mode_config: dict, topo, model) -> dict:
         record["lrs"].append(lr)
         record["seconds"].append(float(seconds))
         record["inter_bytes"].append(stats.stats.inter_bytes)
+        if args.stop_at_target and reached(record["losses"], args.target_loss, args.loss_window):
+            break  # every rank holds the same losses: the same decision
     return record

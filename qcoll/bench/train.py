@@ -75,6 +75,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="report samples and wall time until the running training loss reaches this")
     g.add_argument("--loss-window", type=cli.positive_int, default=10,
                    help="steps in the running mean of --target-loss (default 10)")
+    g.add_argument("--stop-at-target", action="store_true",
+                   help="end each run once its running loss reaches --target-loss (--steps is then a cap)")
     cli.add_common_options(p, iters=1, warmup=2)
     p.set_defaults(func=main)
     return p
@@ -94,6 +96,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--adaptive-batch must be a cosine in (0, 1), got {args.adaptive_batch}")
     if args.adaptive_batch is not None and "fsdp2" in args.peer:
         parser.error("--adaptive-batch runs qcoll modes only; drop --peer fsdp2")
+    if args.stop_at_target and args.target_loss is None:
+        parser.error("--stop-at-target needs --target-loss")
     if args.loss_window > args.steps:
         parser.error(f"--loss-window {args.loss_window} must not exceed --steps {args.steps}")
     run_ranks(_rank_main, args, args.nproc, args.ranks_per_node)
@@ -130,8 +134,11 @@ def _steps(args, forward_backward, step, rank, world):
         g = loss.detach().double().reshape(1)
         dist.all_reduce(g)
         losses.append(float(g) / world)
+        if args.stop_at_target and i > args.warmup and adaptive.reached(losses, args.target_loss, args.loss_window):
+            break  # every rank holds the same losses: the same decision
     dist.barrier()
-    link = (meter.read() - link_start) / (args.steps - args.warmup) if meter is not None else None
+    timed = len(losses) - args.warmup
+    link = (meter.read() - link_start) / timed if meter is not None and link_start is not None else None
     slowest = torch.tensor([statistics.median(times[args.warmup:])], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return losses, float(slowest), traffic[-1], link, times
@@ -229,7 +236,7 @@ def _rank_main(args) -> None:
                                                                            "context", "d_model", "layers", "heads",
                                                                            "lr", "seed", "warmup", "adaptive_batch",
                                                                            "max_accumulation", "accumulate", "similarity_window",
-                                                                           "target_loss", "loss_window")},
+                                                                           "target_loss", "loss_window", "stop_at_target")},
                                    "runs": runs})
     if args.plot:
         _plot(runs, args.plot)
@@ -237,10 +244,10 @@ def _rank_main(args) -> None:
 
 def _adaptive_run(args, mode, topo) -> dict:
     rec = adaptive.run(args, MODES[mode], topo, _model(args))
-    seconds = statistics.median(rec["seconds"][args.warmup:])
+    seconds = statistics.median(rec["seconds"][args.warmup:] or rec["seconds"])
     samples, wall, steps = adaptive.to_target(rec["losses"], rec["batches"], rec["seconds"], args.target_loss,
                                               args.loss_window)
-    tokens = statistics.mean(rec["batches"][args.warmup:]) * args.context
+    tokens = statistics.mean(rec["batches"][args.warmup:] or rec["batches"]) * args.context
     return {"mode": f"{mode}+adaptive", "step_time_s": seconds, "tokens_per_s": tokens / seconds,
             "losses": rec["losses"], "first_loss": rec["losses"][0], "final_loss": rec["losses"][-1],
             "intra_bytes_per_step": None, "inter_bytes_per_step": rec["inter_bytes"][-1], "link_bytes_per_step": None,
