@@ -86,3 +86,32 @@ def test_checkpoint_from_4_ranks_loads_into_2(ranks4, ranks2, tmp_path):
         assert abs(a - b) <= 1e-5 * abs(a)
     for k in final4:
         torch.testing.assert_close(final2[k], final4[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def _save_before_the_first_step(rank, world, path):
+    batches = Batches(data(), BATCH, 32, 23)
+    xs = [batches.next(rank, world) for _ in range(2)]
+    states = []
+    for save_first in (False, True):
+        m, opt = _setup(world, ZPP, 0)
+        if save_first:
+            zero.save(path, m, opt)  # before any step: the optimizer has no state yet
+        for x, y in xs:
+            m(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        states.append(m.state_dict())
+    m, opt = _setup(world, ZPP, 5)
+    zero.load(path, m, opt)  # the checkpoint holds a fresh optimizer: training from it matches too
+    for x, y in xs:
+        m(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    states.append(m.state_dict())
+    return [all(torch.equal(s[k], states[0][k]) for k in states[0]) for s in states[1:]]
+
+
+def test_a_save_before_the_first_step_changes_nothing(ranks4, tmp_path):
+    """The zero-lr step that creates the optimizer's state for DCP must not count as a step
+    (AdamW's step counter and bias correction), neither live nor in the checkpoint."""
+    assert ranks4.run(_save_before_the_first_step, str(tmp_path / "ck"), timeout=120)[0] == [True, True]

@@ -72,6 +72,18 @@ def _hf_sharded(rank, world):
         want = plain.generate(prompt, max_new_tokens=12, do_sample=False)
         got = sharded.generate(prompt, max_new_tokens=12, do_sample=False)
     units = [u.path for u in zero.state_of(sharded).units]
+    import json
+    import tempfile
+    full_for_saving = sharded.state_dict()  # a collective, on every rank; the files from one rank (as Accelerate)
+    architectures = ["GPT2LMHeadModel"]
+    if rank == 0:
+        with tempfile.TemporaryDirectory() as d:
+            sharded.save_pretrained(d, state_dict=full_for_saving)
+            with open(f"{d}/config.json") as f:
+                architectures = json.load(f)["architectures"]
+    assert architectures == ["GPT2LMHeadModel"] and type(sharded).__name__ == "GPT2LMHeadModel"
+    with pytest.raises(TypeError, match="cannot be deep-copied"):
+        copy.deepcopy(sharded)
     full, ref = sharded.state_dict(), plain.state_dict()
     same_state = set(full) == set(ref) and all(torch.equal(full[k], ref[k]) for k in ref)
     return (sharded is model, isinstance(sharded, GPT2LMHeadModel), isinstance(sharded.config, GPT2Config),
@@ -111,6 +123,8 @@ def _cross_unit_training(rank, world):
     model = zero.shard(model, qcoll.Topology(2), zero.ZeroConfig.zero3(), units=[model.emb, *model.blocks])
     opt = zero.Optimizer(model, torch.optim.SGD, lr=0.5)
     ref_opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+    with pytest.raises(IndexError):  # a first forward that raises leaves the probe for the next one
+        model(torch.full((2, 5), 99))
     gen = torch.Generator().manual_seed(3)
     worst = 0.0
     for _ in range(3):  # the first forward finds the parameter; later ones gather it up front
@@ -255,3 +269,63 @@ def _bf16_compute(rank, world):
 def test_bf16_compute_gathers_and_runs_in_bf16(ranks4):
     for dtype, same, net_dtype, net_same in ranks4.run(_bf16_compute, timeout=60):
         assert dtype == torch.bfloat16 and same and net_dtype == torch.bfloat16 and net_same
+
+
+# ---------------------------------------------------------------------------- reads that need no gather
+class ReadsMetadata(nn.Module):
+    """A parent that reads a block's dtype (as HF's ``model.dtype``), with a user pre-hook on a block."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        x = x.to(self.blocks[0].weight.dtype)
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return x
+
+
+def _no_needless_gathers(rank, world):
+    torch.manual_seed(0)
+    plain = ReadsMetadata()
+    model = copy.deepcopy(plain)
+    seen = []
+    model.blocks[1].register_forward_pre_hook(lambda mod, args: seen.append(float(mod.weight.sum())))
+    zero.shard(model, qcoll.Topology(2), zero.ZeroConfig.zero3())
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    out = model(x)
+    out.sum().backward()
+    root_groups = [g.name for g in zero.state_of(model).units[0].groups]
+    return root_groups, torch.equal(out, plain(x)), seen == [float(plain.blocks[1].weight.sum())]
+
+
+def test_metadata_reads_and_user_pre_hooks_gather_nothing_extra(ranks4):
+    """The root keeps no block's group (reading .dtype needs none; a user pre-hook on a block runs
+    after the block's own gather), so ZeRO-3 still holds one block at a time."""
+    for root_groups, same, hook_saw_weights in ranks4.run(_no_needless_gathers, timeout=60):
+        assert root_groups == [] and same and hook_saw_weights
+
+
+def _cold_compiled_llama(rank, world):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
+                      intermediate_size=64, vocab_size=64, max_position_embeddings=32)
+    plain = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(rank))
+    losses = []
+    for compiled in (False, True):
+        model = zero.shard(copy.deepcopy(plain), qcoll.Topology(1), zero.ZeroConfig.zero3())
+        run = torch.compile(model, backend="eager") if compiled else model  # the first forward is compiled
+        loss = run(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(float(loss))
+    return losses
+
+
+def test_a_cold_torch_compile_of_an_hf_llama_runs_the_probe_eagerly(ranks2):
+    pytest.importorskip("transformers", reason="transformers is a test extra (pip install -e '.[test]')")
+    for eager, compiled in ranks2.run(_cold_compiled_llama, timeout=180):
+        assert compiled == pytest.approx(eager, rel=1e-6, abs=1e-6)

@@ -51,11 +51,12 @@ def _model_state(model) -> dict:
     return state
 
 
-def _ensure_optimizer_state(opt: Optimizer) -> None:
-    """Create the inner optimizer's lazily made state with a zero-lr step on zero gradients."""
+def _ensure_optimizer_state(opt: Optimizer) -> bool:
+    """Create the inner optimizer's lazily made state with a zero-lr step on zero gradients;
+    True when it did (a save then drops it again: the first real step must start fresh)."""
     inner = opt.optimizer
     if inner.state:
-        return
+        return False
     saved_lr = []
     for pg in inner.param_groups:
         saved_lr.append(pg.get("lr"))
@@ -70,6 +71,13 @@ def _ensure_optimizer_state(opt: Optimizer) -> None:
     for pg, lr in zip(inner.param_groups, saved_lr):
         if lr is not None:
             pg["lr"] = lr
+    for st in inner.state.values():  # what a fresh optimizer starts from (Adam: step 0, zero moments)
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                v.zero_()
+            elif isinstance(v, (int, float)):
+                st[k] = type(v)(0)
+    return True
 
 
 def _optimizer_state(opt: Optimizer) -> dict:
@@ -168,12 +176,16 @@ def save(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
     tmp = _on_rank0(atomic_dir.prepare_save, path)
     try:
         state = {"model": _model_state(model), "engine": {"micro_step": torch.tensor(state_of(model).engine.micro_step)}}
+        created = optimizer is not None and _ensure_optimizer_state(optimizer)
         if optimizer is not None:
-            _ensure_optimizer_state(optimizer)
             state["optim"] = _optimizer_state(optimizer)
         if adaptive is not None:
             state["adaptive"] = _adaptive_state(adaptive)
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, overwrite=False))
+        try:
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, overwrite=False))
+        finally:
+            if created:  # saving must not change training: the first real step starts from no state
+                optimizer.optimizer.state.clear()
         dist.barrier()  # every rank's files are written and synced before rank 0 moves the directory
     except BaseException:
         if dist.get_rank() == 0:

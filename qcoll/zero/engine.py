@@ -24,6 +24,7 @@ the collectives are matched by order.
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from torch.autograd import Variable
@@ -39,6 +40,19 @@ from .flat import FlatGroup
 from .units import Unit
 
 
+#: Tensor attributes a released parameter answers correctly (dtype, device...): reading them
+#: needs no gather (HF's ``model.dtype`` reads the first parameter's).
+_METADATA = {"dtype", "device", "requires_grad", "layout", "is_cuda", "is_meta", "is_sparse", "is_leaf",
+             "is_floating_point", "is_complex", "get_device"}
+
+
+def _reads_values(func) -> bool:
+    name = getattr(func, "__name__", None)
+    if name == "__get__":
+        name = getattr(getattr(func, "__self__", None), "__name__", None)
+    return name not in _METADATA
+
+
 class _ReleasedParameterProbe(TorchFunctionMode):
     """Sees every torch op of a forward and gathers the released parameters it reads."""
 
@@ -46,13 +60,23 @@ class _ReleasedParameterProbe(TorchFunctionMode):
         super().__init__()
         self.engine = engine
 
+    @torch.compiler.disable  # dynamo compiling this frame garbled its arguments (a cold HF Llama compile)
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.engine.busy:  # the engine's own ops (gathers, .data swaps) are not the model's
+        if not self.engine.busy and _reads_values(func):  # the engine's own ops are not the model's
             for t in tree_flatten((args, kwargs))[0]:
                 if isinstance(t, nn.Parameter) and t.numel() == 0:
                     self.engine.use_released(t)
         return func(*args, **kwargs)
+
+
+def _note_released_reads(error) -> None:
+    """Explain the shape errors that a read of a released parameter gives."""
+    if isinstance(error, RuntimeError) and hasattr(error, "add_note") and "qcoll" not in str(error):
+        error.add_note("qcoll.zero: if an operand above has 0 elements, the forward read a parameter of a unit "
+                       "that was not running (released outside its unit's forward). qcoll gathers such reads "
+                       "that the model's first complete forward makes; a read only later needs units= naming "
+                       "the module that reads it, or its parameter's module as part of it.")
 
 
 def _engine_hook(fn):
@@ -80,7 +104,7 @@ class Engine:
         self.in_backward = False
         self.reduces = []
         self.micro_step = 0
-        self.forwards = 0                  # forwards begun (the first one runs the probe)
+        self.probed = False                # a forward completed under the probe
         self.running: list[Unit] = []     # units inside their forward, innermost last
         self._in_forward = False
         self._probe = None
@@ -90,21 +114,22 @@ class Engine:
         self.last_similarity = None        # the cosine of the last measured backward (NaN: undefined)
         self._similarity = None            # this backward's local statistics, while reducing
         self._group_of = {id(p): g for g in groups for p in g.params}
-        self._hooks = [
-            root.register_forward_pre_hook(torch.compiler.disable(self._begin_forward), prepend=True,
-                                           with_kwargs=True),
-        ]
+        self._hooks = []
         for u in units:
             # The hooks talk to other ranks: torch.compile runs them eagerly (a graph break at each
             # unit's boundary, as FSDP2's hooks do) and compiles what lies between them.
             pre = torch.compiler.disable(functools.partial(self._pre_forward, u))
             post = torch.compiler.disable(functools.partial(self._post_forward, u))
-            self._hooks.append(u.module.register_forward_pre_hook(pre))
+            # prepended, as FSDP2's: the user's own pre-hooks (weight_norm, PEFT...) see gathered weights
+            self._hooks.append(u.module.register_forward_pre_hook(pre, prepend=True))
             self._hooks.append(u.module.register_forward_hook(post))
         for g in groups:
             if g.trainable:
                 for p in g.params:
                     self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, g)))
+        # registered last and prepended: the first of the root's pre-hooks
+        self._hooks.append(root.register_forward_pre_hook(torch.compiler.disable(self._begin_forward), prepend=True,
+                                                          with_kwargs=True))
         # always_call: also when the forward raised (then some units never ended: reset them)
         self._hooks.append(root.register_forward_hook(torch.compiler.disable(self._end_forward), always_call=True))
 
@@ -116,8 +141,7 @@ class Engine:
         if self.order:
             self.last_order = self.order
         self.order = []
-        self.forwards += 1
-        if self.forwards == 1:
+        if not self.probed:
             self._probe = _ReleasedParameterProbe(self)
             self._probe.__enter__()
         dtype = self.config.compute_dtype
@@ -128,8 +152,12 @@ class Engine:
 
     @_engine_hook
     def _end_forward(self, module, args, output):
-        if self.running:  # the forward raised inside a unit
+        failed = bool(self.running)      # the forward raised inside a unit: the probe runs again next time
+        if failed:
             self._reset_forward()
+            _note_released_reads(sys.exc_info()[1])
+        elif self._probe is not None:
+            self.probed = True
         self._stop_probe()
         self._in_forward = False
         for g in self.groups:

@@ -148,9 +148,6 @@ class FlatGroup:
         else:
             self.master.grad.add_(shard)
 
-    def has_param_grads(self) -> bool:
-        return any(p.grad is not None for p in self.params)
-
     def drop_param_grads(self) -> None:
         for p in self.params:
             p.grad = None

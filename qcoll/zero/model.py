@@ -47,6 +47,15 @@ class ZeroModule(nn.Module):
         finally:
             engine.sync_grads = previous
 
+    def __deepcopy__(self, memo):
+        raise TypeError(f"a {type(self).__name__} sharded by qcoll.zero.shard cannot be deep-copied (its "
+                        "parameters live as shards across ranks); copy the plain model before sharding, or "
+                        "load model.state_dict() into a new one")
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"a {type(self).__name__} sharded by qcoll.zero.shard cannot be pickled; save "
+                        "model.state_dict() or use qcoll.zero.save")
+
     def _plain_state_dict(self) -> dict:
         """The state dict of the module's own class, with the (released) parameters as they are."""
         return super(ZeroModule, self).state_dict(keep_vars=True)
@@ -59,18 +68,16 @@ class ZeroModule(nn.Module):
         if args:  # torch's deprecated positional form: (destination, prefix, keep_vars)
             destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)[len(args):])
         state = state_of(self)
-        managed = state.managed()
-        fulls = {g.index: g.gather_full_fp32() for g in state.groups}
-        out = {} if destination is None else destination
         values = {}
+        for g in state.groups:  # one group's gather at a time
+            full = g.gather_full_fp32()
+            for p, off, n, shape, dtype in zip(g.params, g.offsets, g.numels, g.shapes, g.orig_dtypes):
+                values[id(p)] = full[off:off + n].view(shape).to(dtype, copy=True)
+            del full
+        out = {} if destination is None else destination
         for key, value in self._plain_state_dict().items():
             if id(value) not in values:
-                if id(value) in managed:
-                    g, i = managed[id(value)]
-                    flat = fulls[g.index][g.offsets[i]: g.offsets[i] + g.numels[i]]
-                    values[id(value)] = flat.view(g.shapes[i]).to(g.orig_dtypes[i]).clone()
-                else:
-                    values[id(value)] = value if keep_vars else value.detach().clone()
+                values[id(value)] = value if keep_vars else value.detach().clone()
             out[prefix + key] = values[id(value)]
         return out
 
@@ -106,7 +113,7 @@ class ZeroModule(nn.Module):
             if id(target) in managed:
                 g, i = managed[id(target)]
                 if g.index not in fulls:  # start from the current values: keys not given keep theirs
-                    fulls[g.index] = g.gather_full_fp32().clone()
+                    fulls[g.index] = g.gather_full_fp32()
                 fulls[g.index][g.offsets[i]: g.offsets[i] + g.numels[i]].copy_(value.reshape(-1))
             else:
                 with torch.no_grad():
@@ -124,9 +131,11 @@ _classes: dict[type, type] = {}
 
 
 def _zero_class(cls: type) -> type:
-    """``Zero<cls>``: a subclass of :class:`ZeroModule` and ``cls`` (one per class)."""
+    """A subclass of :class:`ZeroModule` and ``cls`` (one per class), under ``cls``'s own name:
+    what records the class by name (Hugging Face's ``config.architectures``) records the user's."""
     if cls not in _classes:
-        _classes[cls] = type(f"Zero{cls.__name__}", (ZeroModule, cls), {"__module__": cls.__module__})
+        _classes[cls] = type(cls.__name__, (ZeroModule, cls),
+                             {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
     return _classes[cls]
 
 

@@ -136,7 +136,8 @@ class Optimizer(torch.optim.Optimizer):
             for m in self.masters:
                 if m.grad is not None:
                     m.grad.div_(applied)
-        self.optimizer.step()
+        inner_step = type(self.optimizer).step
+        getattr(inner_step, "__wrapped__", inner_step)(self.optimizer)  # unhooked: the hooks ran around this step
         return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
