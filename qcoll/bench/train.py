@@ -98,7 +98,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--adaptive-batch runs qcoll modes only; drop --peer fsdp2")
     if args.stop_at_target and args.target_loss is None:
         parser.error("--stop-at-target needs --target-loss")
-    if args.loss_window > args.steps:
+    if args.target_loss is not None and args.loss_window > args.steps:
         parser.error(f"--loss-window {args.loss_window} must not exceed --steps {args.steps}")
     run_ranks(_rank_main, args, args.nproc, args.ranks_per_node)
     return 0

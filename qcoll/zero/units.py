@@ -133,7 +133,7 @@ def select_units(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
             if is_container(m):
                 raise ValueError(f"units: the unit {name or '<root>'} is a {type(m).__name__}, whose forward is "
                                  "never called (its hooks would never gather it); name its elements instead")
-            if not any(True for _ in m.parameters()):
+            if not _has_params(m):
                 raise ValueError(f"units: the unit {name or '<root>'} ({type(m).__name__}) has no parameters")
     seen, out = set(), []
     for name, m in chosen:
