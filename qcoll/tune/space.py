@@ -1,0 +1,99 @@
+"""The configuration space: ordinal knobs, configurations as index tuples, the ZeroConfig mapping."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One knob: a name and its values in ordinal order (neighbouring values are similar)."""
+
+    name: str
+    values: tuple
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"knob name must be a non-empty str, got {self.name!r}")
+        if not isinstance(self.values, tuple) or not self.values:
+            raise ValueError(f"knob {self.name!r}: values must be a non-empty tuple, got {self.values!r}")
+
+
+class Space:
+    """The product of ``knobs``; a configuration is a tuple of value indices (ordinal coordinates)."""
+
+    def __init__(self, knobs: list[Knob]):
+        if not knobs or not all(isinstance(k, Knob) for k in knobs):
+            raise TypeError("knobs must be a non-empty list of qcoll.tune.Knob")
+        names = [k.name for k in knobs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"knob names must be unique, got {names}")
+        self.knobs = list(knobs)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(len(k.values) for k in self.knobs)
+
+    def __len__(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def points(self) -> list[tuple[int, ...]]:
+        """Every configuration, in lexicographic order."""
+        return list(itertools.product(*(range(s) for s in self.shape)))
+
+    def check(self, point) -> tuple[int, ...]:
+        point = tuple(point)
+        if len(point) != len(self.knobs) or any(not 0 <= i < s for i, s in zip(point, self.shape)):
+            raise ValueError(f"{point!r} is not a configuration of a space of shape {self.shape}")
+        return point
+
+    def config(self, point) -> dict[str, Any]:
+        """``{knob name: value}`` of a configuration."""
+        return {k.name: k.values[i] for k, i in zip(self.knobs, self.check(point))}
+
+
+#: qcoll's ZeRO++ knobs (ZeroConfig field names), in ordinal order.
+ZEROPP_KNOBS = [
+    Knob("weight_bits", (2, 4, 6, 8, None)),
+    Knob("grad_bits", (4, 8, None)),
+    Knob("weight_block", (64, 128, 256, 512)),
+    Knob("grad_block", (64, 128, 256, 512)),
+    Knob("prefetch", (0, 1, 2)),
+    Knob("hpz", (False, True)),
+]
+
+
+def zeropp_space(knobs: list[Knob] | None = None) -> Space:
+    """The ZeRO++ space (``ZEROPP_KNOBS``, or a subset/variant of it)."""
+    return Space(list(knobs or ZEROPP_KNOBS))
+
+
+def zero_config_line(config: dict) -> str:
+    """``ZeroConfig(...)`` source for a configuration of ZeroConfig fields."""
+    return "ZeroConfig(" + ", ".join(f"{k}={v!r}" for k, v in config.items()) + ")"
+
+
+def deepspeed_json(config: dict) -> dict:
+    """DeepSpeed ``zero_optimization`` for what maps (8-bit weights, 4-bit gradients, hpZ), else ``{}``
+    entries left out; the returned dict says which fields had no DeepSpeed equivalent."""
+    out = {"stage": 3}
+    unmapped = []
+    wb, gb = config.get("weight_bits"), config.get("grad_bits")
+    if wb in (8, None):
+        out["zero_quantized_weights"] = wb == 8
+    else:
+        unmapped.append(f"weight_bits={wb}")
+    if gb in (4, None):
+        out["zero_quantized_gradients"] = gb == 4
+    else:
+        unmapped.append(f"grad_bits={gb}")
+    if "hpz" in config:
+        out["zero_hpz_partition_size"] = "<ranks per node>" if config["hpz"] else 1
+    for k in ("weight_block", "grad_block", "prefetch"):
+        if k in config:
+            unmapped.append(f"{k}={config[k]}")
+    return {"zero_optimization": out, "unmapped": unmapped}

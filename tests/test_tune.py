@@ -1,0 +1,105 @@
+"""qcoll.tune: RRL and the baselines on synthetic objectives with a known optimum and a cliff."""
+import math
+
+import numpy as np
+import pytest
+
+from qcoll import tune
+from qcoll.tune import Knob, Space, Table
+
+OPT = (4, 1, 2)
+
+
+def _space():
+    return Space([Knob("a", tuple(range(6))), Knob("b", tuple(range(5))), Knob("c", tuple(range(4)))])
+
+
+def _table(cliff=True, scale=1.0, opt=OPT):
+    """A smooth bowl around ``opt``; with ``cliff`` every a == 5 is infeasible although cheap."""
+    sp = _space()
+    costs = {}
+    for p in sp.points():
+        c = scale * (1 + sum(((x - o) / 2) ** 2 for x, o in zip(p, opt)))
+        costs[p] = (c * (0.5 if cliff and p[0] == 5 else 1.0), not (cliff and p[0] == 5))
+    return Table(sp, costs)
+
+
+@pytest.mark.parametrize("name,budget", [("rrl", 60), ("tpe", 60), ("random", 120), ("exhaustive", 120)])
+def test_each_tuner_finds_the_optimum_and_never_returns_an_infeasible_one(name, budget):
+    table = _table()
+    for seed in range(3):
+        tuner = tune.TUNERS[name](table.space, seed=seed)
+        history = tune.run(tuner, table.measure, budget)
+        assert tuner.best().feasible and tuner.best().point == OPT, (name, seed, tuner.best())
+        assert all(h["best_cost"] is None or table.costs[h["best_point"]][1] for h in history)
+
+
+@pytest.mark.parametrize("name", ["rrl", "tpe", "random"])
+def test_a_seed_fixes_the_search(name):
+    table = _table()
+    runs = [[h["point"] for h in tune.run(tune.TUNERS[name](table.space, seed=7), table.measure, 25)]
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_region_update_moves_toward_an_independent_quadratic_fit():
+    """1-D, costs 1 + (x - 3)^2 / 3 measured at x = 0, 3, 6: the fit is that parabola; the region
+    (radius 2 around x = 6) moves 0.3 of the way from its old values to it, measured points hold."""
+    sp = Space([Knob("x", tuple(range(9)))])
+    f = lambda x: 1 + (x - 3) ** 2 / 3  # noqa: E731
+    r = tune.RRL(sp, seed=0, radius=2.0, adaptive_radius=False)
+    r.tell((0,), f(0))
+    r.tell((3,), f(3))
+    before = r.Q.copy()
+    r.tell((6,), f(6))
+    for x in range(9):
+        if x in (0, 3, 6):
+            assert r.Q[x] == f(x)
+        elif abs(x - 6) <= 2:
+            assert r.Q[x] == pytest.approx(0.7 * before[x] + 0.3 * f(x), abs=2e-3)
+        else:
+            assert r.Q[x] == before[x]
+
+
+def test_rrl_notices_a_workload_change_and_reconverges():
+    first, second = _table(cliff=False), _table(cliff=False, scale=3.0, opt=(1, 3, 0))
+    r = tune.RRL(first.space, seed=1)
+    tune.run(r, first.measure, 40)
+    assert r.best().point == OPT
+    r.trials.clear()  # the new workload's best is judged on its own measurements
+    history = tune.run(r, second.measure, 50)
+    assert r.resets >= 1
+    assert tune.trials_to_within(history, second.optimum()) is not None
+
+
+def test_replay_round_trips_a_table_and_counts_trials(tmp_path):
+    table = _table()
+    table.save(str(tmp_path / "t.json"))
+    again = Table.load(str(tmp_path / "t.json"))
+    assert again.costs == table.costs
+    out = tune.replay(again, tuners=("rrl", "exhaustive"), seeds=2, budget=120)
+    exhaustive = sorted(table.space.points()).index(OPT) + 1
+    assert out["exhaustive"]["trials"] == [exhaustive, exhaustive]
+    assert all(1 <= n <= 121 for n in out["rrl"]["trials"])
+
+
+def test_config_lines_and_deepspeed_mapping():
+    cfg = {"weight_bits": 8, "grad_bits": 4, "hpz": True, "prefetch": 2}
+    assert tune.zero_config_line(cfg) == "ZeroConfig(weight_bits=8, grad_bits=4, hpz=True, prefetch=2)"
+    ds = tune.deepspeed_json(cfg)
+    assert ds["zero_optimization"]["zero_quantized_weights"] is True
+    assert ds["zero_optimization"]["zero_quantized_gradients"] is True
+    assert ds["unmapped"] == ["prefetch=2"]
+    assert tune.deepspeed_json({"weight_bits": 4})["unmapped"] == ["weight_bits=4"]
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="space"):
+        tune.RRL("space")
+    with pytest.raises(ValueError, match="budget"):
+        tune.run(tune.RandomSearch(_space()), _table().measure, 0)
+    with pytest.raises(ValueError, match="not a configuration"):
+        tune.RandomSearch(_space()).tell((9, 9, 9), 1.0)
+    with pytest.raises(ValueError, match="NaN"):
+        tune.RandomSearch(_space()).tell((0, 0, 0), math.nan)
+    assert np.isfinite(_table().optimum())
