@@ -103,3 +103,42 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="NaN"):
         tune.RandomSearch(_space()).tell((0, 0, 0), math.nan)
     assert np.isfinite(_table().optimum())
+
+
+# ---------------------------------------------------------------------------- qcoll-bench tune
+BENCH = __import__("os").path.join(__import__("os").path.dirname(__file__), "..", "bench")
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--record", "a.json", "--replay", "b.json"], "exclude each other"),
+    (["--replay", "/nonexistent/t.json"], "not a recorded table"),
+    (["--nproc", "4", "--batch", "6"], "not divisible"),
+    (["--steps", "4", "--warmup", "2"], "at least 3 timed steps"),
+    (["--tuner", "bayes"], "invalid choice"),
+])
+def test_cli_argument_errors_exit_2_with_one_line(extra, message, capsys):
+    from qcoll.bench import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["tune", *extra])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qcoll-bench tune: error:") and message in err[0], err
+
+
+def test_cli_replays_the_recorded_tables(tmp_path, capsys):
+    """The tables bench/RESULTS.md reports (emulated 2x2 cluster) replay in seconds, with the
+    same medians as a direct replay of the library."""
+    import json
+    import os
+
+    from qcoll.bench import cli
+
+    path = os.path.join(BENCH, "tune_table_100mbit.json")
+    if not os.path.exists(path):
+        pytest.skip("the recorded table is part of the source tree, not of an installed package")
+    assert cli.main(["tune", "--replay", path, "--seeds", "5", "--json", str(tmp_path / "r.json")]) == 0
+    doc = json.loads((tmp_path / "r.json").read_text())
+    direct = tune.replay(Table.load(path), ("rrl", "random", "tpe"), seeds=5)
+    assert {k: v["trials"] for k, v in doc["tuners"].items()} == {k: v["trials"] for k, v in direct.items()}
+    assert "rrl: median" in capsys.readouterr().out

@@ -25,7 +25,7 @@ import os
 import sys
 import tempfile
 
-SUBCOMMANDS = ("collectives", "train", "cluster")
+SUBCOMMANDS = ("collectives", "train", "cluster", "tune")
 
 PROG = "qcoll-bench"
 

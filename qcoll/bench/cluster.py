@@ -41,7 +41,7 @@ from .launch import RankFailed, _on_sigterm, _restore_signal, _set_signal
 from .linkmeter import ENV as METER_ENV
 
 NAME = "cluster"
-INNER = ("train", "collectives")
+INNER = ("train", "collectives", "tune")
 RESERVED = ("--nproc", "--ranks-per-node", "--json", "--plot")
 MASTER_PORT = 29500          # the namespaces are new, so nothing else listens there
 GRACE_S = 5.0

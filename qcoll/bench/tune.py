@@ -1,0 +1,181 @@
+"""``qcoll-bench tune``: configuration search over the ZeRO++ knobs (:mod:`qcoll.tune`).
+
+Three ways to run:
+- live (default): ``--tuner`` (rrl, random, tpe, exhaustive) picks ``--budget`` configurations; each
+  is measured on the ranks (``--steps`` steps of the char transformer, the median step time after
+  ``--warmup``); the best feasible one is printed as a ``ZeroConfig(...)`` line and as DeepSpeed
+  ``zero_optimization`` JSON where it maps;
+- ``--record FILE``: every configuration of the space is measured once into a table (JSON);
+- ``--replay FILE``: every tuner in ``--tuners`` runs against a recorded table for ``--seeds``
+  seeds (no ranks, seconds): the median number of trials to reach a configuration within 5%
+  of the table's best.
+A configuration is feasible when its mean loss over the last 3 steps is at most
+``1 + --max-loss-increase`` times the unquantized configuration's (ZeRO-3, measured first).
+Works inside ``qcoll-bench cluster`` (live and ``--record``).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import cli
+from .launch import run_ranks
+
+NAME = "tune"
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(NAME, help="search the ZeRO++ knobs (RRL, random, TPE) live or on a recorded table",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--tuner", default="rrl", choices=["rrl", "random", "tpe", "exhaustive"],
+                   help="live: the tuner (default rrl)")
+    p.add_argument("--budget", type=cli.positive_int, default=12, help="live: configurations to measure (default 12)")
+    p.add_argument("--record", default=None, metavar="FILE", help="measure every configuration into this table")
+    p.add_argument("--replay", default=None, metavar="FILE", help="run the tuners on this recorded table")
+    p.add_argument("--tuners", nargs="+", default=["rrl", "random", "tpe"],
+                   choices=["rrl", "random", "tpe", "exhaustive"], help="replay: the tuners to compare")
+    p.add_argument("--seeds", type=cli.positive_int, default=20, help="replay: seeds per tuner (default 20)")
+    p.add_argument("--seed", type=int, default=0, help="live: the tuner's seed; model and data seed (default 0)")
+    p.add_argument("--steps", type=cli.positive_int, default=6, help="steps per measurement (default 6)")
+    p.add_argument("--max-loss-increase", type=float, default=0.05,
+                   help="feasible: final loss at most (1 + this) x ZeRO-3's (default 0.05)")
+    p.add_argument("--batch", type=cli.positive_int, default=16, help="global batch, sequences (default 16)")
+    p.add_argument("--context", type=cli.positive_int, default=64, help="sequence length (default 64)")
+    p.add_argument("--d-model", type=cli.positive_int, default=128, help="model width (default 128)")
+    p.add_argument("--layers", type=cli.positive_int, default=4, help="transformer blocks (default 4)")
+    p.add_argument("--heads", type=cli.positive_int, default=4, help="attention heads (default 4)")
+    p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
+    cli.add_common_options(p, iters=1, warmup=2)
+    p.set_defaults(func=main)
+    return p
+
+
+def space():
+    """The searched space: a reduced ZeRO++ space (24 configurations)."""
+    from ..tune import Knob, Space
+
+    return Space([Knob("weight_bits", (None, 8, 4)), Knob("grad_bits", (None, 4)), Knob("hpz", (False, True)),
+                  Knob("prefetch", (0, 1))])
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.record and args.replay:
+        parser.error("--record and --replay exclude each other")
+    if args.replay:
+        return _replay(args, parser)
+    world = cli.check_common(parser, args)
+    if args.batch % world:
+        parser.error(f"--batch {args.batch} is not divisible by the world size {world}")
+    if args.d_model % args.heads:
+        parser.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
+    if args.warmup >= args.steps - 2:
+        parser.error(f"--warmup {args.warmup} must leave at least 3 timed steps of --steps {args.steps}")
+    if not args.max_loss_increase >= 0:
+        parser.error(f"--max-loss-increase must be >= 0, got {args.max_loss_increase}")
+    run_ranks(_rank_main, args, args.nproc, args.ranks_per_node)
+    return 0
+
+
+def _measure(args, topo, config: dict) -> tuple[float, float]:
+    """(median step seconds after --warmup, mean loss of the last 3 steps) of one configuration."""
+    from .. import zero
+    from .textdata import Batches, stdlib_bytes
+    from .transformer import CharTransformer, TransformerConfig
+
+    torch.manual_seed(args.seed)
+    model = CharTransformer(TransformerConfig(context=args.context, d_model=args.d_model, n_layers=args.layers,
+                                              n_heads=args.heads))
+    m = zero.shard(model, topo, zero.ZeroConfig(**config), units=model.units())
+    opt = zero.Optimizer(m, torch.optim.AdamW, lr=args.lr, weight_decay=0.0)
+    batches = Batches(stdlib_bytes(), args.batch, args.context, args.seed + 1)
+    times, losses = [], []
+    for _ in range(args.steps):
+        x, y = batches.next(topo.rank, topo.world_size)
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = m(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+        g = loss.detach().double().reshape(1)
+        dist.all_reduce(g)
+        losses.append(float(g) / topo.world_size)
+    slowest = torch.tensor([statistics.median(times[args.warmup:])], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest), sum(losses[-3:]) / 3
+
+
+def _rank_main(args) -> None:
+    from .. import tune
+    from ..comm import Topology
+
+    topo = Topology(args.ranks_per_node)
+    sp = space()
+    reference_point = tuple(k.values.index(v) for k, v in zip(sp.knobs, (None, None, False, 0)))
+    _, reference_loss = _measure(args, topo, sp.config(reference_point))
+    limit = reference_loss * (1 + args.max_loss_increase)
+    measured = {}
+
+    def measure(config):
+        point = tuple(k.values.index(config[k.name]) for k in sp.knobs)
+        if point not in measured:
+            seconds, loss = _measure(args, topo, config)
+            measured[point] = (seconds, loss <= limit)
+            if topo.rank == 0:
+                print(f"{tune.zero_config_line(config)}: {seconds * 1e3:.1f} ms/step, loss {loss:.4f} "
+                      f"({'feasible' if loss <= limit else 'over the limit'})", flush=True)
+        return measured[point]
+
+    if args.record:
+        for point in sp.points():
+            measure(sp.config(point))
+        if topo.rank == 0:
+            tune.Table(sp, measured).save(args.record)
+            if args.json:
+                cli.write_json(args.json, {"command": NAME, "record": args.record, "reference_loss": reference_loss,
+                                           "rows": [{"config": sp.config(p), "step_time_s": c, "feasible": f}
+                                                    for p, (c, f) in measured.items()]})
+        return
+    tuner = tune.TUNERS[args.tuner](sp, seed=args.seed)
+    for _ in range(args.budget):
+        box = [tuner.ask() if topo.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)   # every rank measures what rank 0's tuner chose
+        cost, feasible = measure(sp.config(box[0]))
+        if topo.rank == 0:
+            tuner.tell(box[0], cost, feasible)
+    if topo.rank == 0:
+        _report_best(sp, tuner.best(), args)
+
+
+def _report_best(sp, best, args) -> None:
+    from .. import tune
+
+    if best is None:
+        print("no feasible configuration found", flush=True)
+        return
+    config = sp.config(best.point)
+    print(f"best: {tune.zero_config_line(config)}  ({best.cost * 1e3:.1f} ms/step)")
+    print(f"DeepSpeed: {tune.deepspeed_json(config)}", flush=True)
+    if args.json:
+        cli.write_json(args.json, {"command": NAME, "best": config, "step_time_s": best.cost,
+                                   "deepspeed": tune.deepspeed_json(config)})
+
+
+def _replay(args, parser) -> int:
+    from .. import tune
+
+    try:
+        table = tune.Table.load(args.replay)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        parser.error(f"--replay {args.replay}: not a recorded table ({e})")
+    out = tune.replay(table, args.tuners, seeds=args.seeds)
+    for name, r in out.items():
+        print(f"{name:>10}: median {r['median']} trials to within 5% of the best (seeds: {r['trials']})")
+    if args.json:
+        cli.write_json(args.json, {"command": NAME, "replay": args.replay, "tuners": out})
+    return 0
