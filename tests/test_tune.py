@@ -142,3 +142,14 @@ def test_cli_replays_the_recorded_tables(tmp_path, capsys):
     direct = tune.replay(Table.load(path), ("rrl", "random", "tpe"), seeds=5)
     assert {k: v["trials"] for k, v in doc["tuners"].items()} == {k: v["trials"] for k, v in direct.items()}
     assert "rrl: median" in capsys.readouterr().out
+
+
+def test_replay_of_a_workload_change_counts_trials_after_it():
+    before, after = _table(cliff=False), _table(cliff=False, scale=3.0, opt=(1, 3, 0))
+    out = tune.replay_change(before, after, 30, tuners=("rrl", "exhaustive"), seeds=2, budget=120)
+    assert all(n <= 120 for n in out["rrl"]["trials"]), out      # RRL finds the new best
+    # exhaustive resumes its order where it stopped: the new best (1, 3, 0) is point 32 of the order
+    assert out["exhaustive"]["trials"] == [sorted(after.space.points()).index((1, 3, 0)) + 1 - 30] * 2
+    other = Table(Space([Knob("x", (0, 1))]), {(0,): (1.0, True), (1,): (2.0, True)})
+    with pytest.raises(ValueError, match="same space"):
+        tune.replay_change(before, other, 3)

@@ -35,7 +35,11 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="live: the tuner (default rrl)")
     p.add_argument("--budget", type=cli.positive_int, default=12, help="live: configurations to measure (default 12)")
     p.add_argument("--record", default=None, metavar="FILE", help="measure every configuration into this table")
-    p.add_argument("--replay", default=None, metavar="FILE", help="run the tuners on this recorded table")
+    p.add_argument("--replay", nargs="+", default=None, metavar="FILE",
+                   help="run the tuners on this recorded table; with a second table the workload changes to it "
+                        "after --switch-after trials")
+    p.add_argument("--switch-after", type=cli.positive_int, default=12,
+                   help="replay of two tables: trials on the first before the change (default 12)")
     p.add_argument("--tuners", nargs="+", default=["rrl", "random", "tpe"],
                    choices=["rrl", "random", "tpe", "exhaustive"], help="replay: the tuners to compare")
     p.add_argument("--seeds", type=cli.positive_int, default=20, help="replay: seeds per tuner (default 20)")
@@ -169,13 +173,25 @@ def _report_best(sp, best, args) -> None:
 def _replay(args, parser) -> int:
     from .. import tune
 
-    try:
-        table = tune.Table.load(args.replay)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        parser.error(f"--replay {args.replay}: not a recorded table ({e})")
-    out = tune.replay(table, args.tuners, seeds=args.seeds)
-    for name, r in out.items():
+    if len(args.replay) > 2:
+        parser.error(f"--replay takes one table, or two for a workload change, got {len(args.replay)}")
+    tables = []
+    for path in args.replay:
+        try:
+            tables.append(tune.Table.load(path))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            parser.error(f"--replay {path}: not a recorded table ({e})")
+    doc = {"command": NAME, "replay": args.replay, "tuners": tune.replay(tables[0], args.tuners, seeds=args.seeds)}
+    for name, r in doc["tuners"].items():
         print(f"{name:>10}: median {r['median']} trials to within 5% of the best (seeds: {r['trials']})")
+    if len(tables) == 2:
+        try:
+            doc["change"] = tune.replay_change(tables[0], tables[1], args.switch_after, args.tuners, seeds=args.seeds)
+        except ValueError as e:
+            parser.error(f"--replay: {e}")
+        for name, r in doc["change"].items():
+            print(f"{name:>10}: after the change, median {r['median']} trials to within 5% of the new best "
+                  f"(seeds: {r['trials']})")
     if args.json:
-        cli.write_json(args.json, {"command": NAME, "replay": args.replay, "tuners": out})
+        cli.write_json(args.json, doc)
     return 0

@@ -52,3 +52,41 @@ def replay(table: Table, tuners=("rrl", "random", "tpe"), seeds: int = 20, budge
             counts.append(n if n is not None else budget + 1)
         out[name] = {"trials": counts, "median": statistics.median(counts)}
     return out
+
+
+def replay_change(before: Table, after: Table, switch_after: int, tuners=("rrl", "random", "tpe"), seeds: int = 20,
+                  budget: int | None = None, tolerance: float = 0.05) -> dict:
+    """The workload changes: each tuner measures on ``before`` for ``switch_after`` trials, then on
+    ``after`` (same space). Per tuner: trials after the change until its best measurement *since
+    the change* is within ``tolerance`` of ``after``'s best (``budget`` + 1 when never), and the median."""
+    if [(k.name, k.values) for k in before.space.knobs] != [(k.name, k.values) for k in after.space.knobs]:
+        raise ValueError("the two tables must cover the same space")
+    budget = budget or len(after.space)
+    out = {}
+    for name in tuners:
+        counts = []
+        for seed in range(seeds):
+            tuner = TUNERS[name](before.space, seed=seed)
+            run(tuner, before.measure, switch_after)
+            history = run(_Since(tuner), after.measure, budget)
+            n = trials_to_within(history, after.optimum(), tolerance)
+            counts.append(n if n is not None else budget + 1)
+        out[name] = {"trials": counts, "median": statistics.median(counts)}
+    return out
+
+
+class _Since:
+    """A tuner whose ``best`` only counts the measurements made through this wrapper."""
+
+    def __init__(self, tuner):
+        self.tuner, self.space, self.first = tuner, tuner.space, len(tuner.trials)
+
+    def ask(self):
+        return self.tuner.ask()
+
+    def tell(self, point, cost, feasible=True):
+        self.tuner.tell(point, cost, feasible)
+
+    def best(self):
+        ok = [t for t in self.tuner.trials[self.first:] if t.feasible]
+        return min(ok, key=lambda t: t.cost) if ok else None
