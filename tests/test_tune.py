@@ -153,3 +153,27 @@ def test_replay_of_a_workload_change_counts_trials_after_it():
     other = Table(Space([Knob("x", (0, 1))]), {(0,): (1.0, True), (1,): (2.0, True)})
     with pytest.raises(ValueError, match="same space"):
         tune.replay_change(before, other, 3)
+
+
+@pytest.mark.slow
+def test_cli_live_search_reports_the_best_beside_the_defaults(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    argv = ["tune", "--nproc", "4", "--ranks-per-node", "2", "--budget", "3", "--steps", "4", "--warmup", "1",
+            "--batch", "4", "--context", "16", "--d-model", "32", "--layers", "1", "--heads", "2",
+            "--json", str(tmp_path / "t.json")]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", QCOLL_PROGRESS="0")
+    env.pop("RANK", None)
+    p = subprocess.run([sys.executable, "-m", "qcoll.bench", *argv], capture_output=True, text=True, timeout=240,
+                       cwd=tmp_path, env=env)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert len(doc["trials"]) == 3
+    feasible = [t for t in doc["trials"] if t["feasible"]]
+    assert doc["step_time_s"] == min(t["step_time_s"] for t in feasible)
+    assert doc["best"] == min(feasible, key=lambda t: t["step_time_s"])["config"]
+    assert doc["defaults"] == {"weight_bits": 8, "grad_bits": 4, "hpz": True, "prefetch": 1}
+    assert "best: ZeroConfig(" in p.stdout and "defaults: ZeroConfig(" in p.stdout

@@ -123,13 +123,13 @@ def _rank_main(args) -> None:
     reference_point = tuple(k.values.index(v) for k, v in zip(sp.knobs, (None, None, False, 0)))
     _, reference_loss = _measure(args, topo, sp.config(reference_point))
     limit = reference_loss * (1 + args.max_loss_increase)
-    measured = {}
+    measured, losses = {}, {}
 
     def measure(config):
         point = tuple(k.values.index(config[k.name]) for k in sp.knobs)
         if point not in measured:
             seconds, loss = _measure(args, topo, config)
-            measured[point] = (seconds, loss <= limit)
+            measured[point], losses[point] = (seconds, loss <= limit), loss
             if topo.rank == 0:
                 print(f"{tune.zero_config_line(config)}: {seconds * 1e3:.1f} ms/step, loss {loss:.4f} "
                       f"({'feasible' if loss <= limit else 'over the limit'})", flush=True)
@@ -152,22 +152,34 @@ def _rank_main(args) -> None:
         cost, feasible = measure(sp.config(box[0]))
         if topo.rank == 0:
             tuner.tell(box[0], cost, feasible)
+    default = {"weight_bits": 8, "grad_bits": 4, "hpz": True, "prefetch": 1}   # ZeroConfig()'s values
+    default_seconds, default_loss = _measure(args, topo, default)                 # side by side, same run
     if topo.rank == 0:
-        _report_best(sp, tuner.best(), args)
+        _report_best(sp, tuner, losses, args, (default, default_seconds, default_loss), reference_loss)
 
 
-def _report_best(sp, best, args) -> None:
+def _report_best(sp, tuner, losses, args, default, reference_loss) -> None:
     from .. import tune
 
+    best = tuner.best()
     if best is None:
         print("no feasible configuration found", flush=True)
         return
     config = sp.config(best.point)
-    print(f"best: {tune.zero_config_line(config)}  ({best.cost * 1e3:.1f} ms/step)")
+    d_config, d_seconds, d_loss = default
+    print(f"best: {tune.zero_config_line(config)}  ({best.cost * 1e3:.1f} ms/step, loss {losses[best.point]:.4f})")
+    print(f"defaults: {tune.zero_config_line(d_config)}  ({d_seconds * 1e3:.1f} ms/step, loss {d_loss:.4f}; "
+          f"ZeRO-3 loss {reference_loss:.4f}); speed-up of the best {d_seconds / best.cost:.2f}x")
     print(f"DeepSpeed: {tune.deepspeed_json(config)}", flush=True)
     if args.json:
         cli.write_json(args.json, {"command": NAME, "best": config, "step_time_s": best.cost,
-                                   "deepspeed": tune.deepspeed_json(config)})
+                                   "loss": losses[best.point],
+                                   "deepspeed": tune.deepspeed_json(config), "defaults": d_config,
+                                   "defaults_step_time_s": d_seconds, "defaults_loss": d_loss,
+                                   "zero3_loss": reference_loss,
+                                   "trials": [{"config": sp.config(t.point), "step_time_s": t.cost,
+                                               "feasible": t.feasible, "loss": losses[t.point]}
+                                              for t in tuner.trials]})
 
 
 def _replay(args, parser) -> int:
