@@ -80,6 +80,8 @@ def test_replay_round_trips_a_table_and_counts_trials(tmp_path):
     out = tune.replay(again, tuners=("rrl", "exhaustive"), seeds=2, budget=120)
     exhaustive = sorted(table.space.points()).index(OPT) + 1
     assert out["exhaustive"]["trials"] == [exhaustive, exhaustive]
+    curve = out["rrl"]["median_best"]  # best so far: never rises, ends at the optimum
+    assert len(curve) == 120 and all(b <= a for a, b in zip(curve, curve[1:])) and curve[-1] == table.optimum()
     assert all(1 <= n <= 121 for n in out["rrl"]["trials"])
 
 
@@ -142,6 +144,9 @@ def test_cli_replays_the_recorded_tables(tmp_path, capsys):
     direct = tune.replay(Table.load(path), ("rrl", "random", "tpe"), seeds=5)
     assert {k: v["trials"] for k, v in doc["tuners"].items()} == {k: v["trials"] for k, v in direct.items()}
     assert "rrl: median" in capsys.readouterr().out
+    pytest.importorskip("matplotlib", reason="--plot needs the plot extra")
+    assert cli.main(["tune", "--replay", path, "--seeds", "2", "--plot", str(tmp_path / "r.png")]) == 0
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_replay_of_a_workload_change_counts_trials_after_it():

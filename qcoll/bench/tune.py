@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import cli
+from . import cli, progress
 from .launch import run_ranks
 
 NAME = "tune"
@@ -136,8 +136,12 @@ def _rank_main(args) -> None:
         return measured[point]
 
     if args.record:
-        for point in sp.points():
-            measure(sp.config(point))
+        with progress.bar(len(sp), enabled=None if topo.rank == 0 else False) as pbar:
+            for point in sp.points():
+                pbar.set_postfix_str(tune.zero_config_line(sp.config(point)), refresh=False)
+                pbar.update(0)
+                measure(sp.config(point))
+                pbar.update(1)
         if topo.rank == 0:
             tune.Table(sp, measured).save(args.record)
             if args.json:
@@ -146,12 +150,16 @@ def _rank_main(args) -> None:
                                                     for p, (c, f) in measured.items()]})
         return
     tuner = tune.TUNERS[args.tuner](sp, seed=args.seed)
-    for _ in range(args.budget):
-        box = [tuner.ask() if topo.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)   # every rank measures what rank 0's tuner chose
-        cost, feasible = measure(sp.config(box[0]))
-        if topo.rank == 0:
-            tuner.tell(box[0], cost, feasible)
+    with progress.bar(args.budget, enabled=None if topo.rank == 0 else False) as pbar:
+        for _ in range(args.budget):
+            box = [tuner.ask() if topo.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)   # every rank measures what rank 0's tuner chose
+            pbar.set_postfix_str(tune.zero_config_line(sp.config(box[0])), refresh=False)
+            pbar.update(0)
+            cost, feasible = measure(sp.config(box[0]))
+            if topo.rank == 0:
+                tuner.tell(box[0], cost, feasible)
+            pbar.update(1)
     default = {"weight_bits": 8, "grad_bits": 4, "hpz": True, "prefetch": 1}   # ZeroConfig()'s values
     default_seconds, default_loss = _measure(args, topo, default)                 # side by side, same run
     if topo.rank == 0:
@@ -180,11 +188,23 @@ def _report_best(sp, tuner, losses, args, default, reference_loss) -> None:
                                    "trials": [{"config": sp.config(t.point), "step_time_s": t.cost,
                                                "feasible": t.feasible, "loss": losses[t.point]}
                                               for t in tuner.trials]})
+    if args.plot:
+        best, curve = float("inf"), []
+        for t in tuner.trials:
+            best = min(best, t.cost) if t.feasible else best
+            curve.append(best)
+        _plot({args.tuner: curve}, args.plot, "live search")
 
 
 def _replay(args, parser) -> int:
     from .. import tune
 
+    if args.plot is not None:
+        from . import plot
+
+        problem = plot.check(args.plot)
+        if problem:
+            parser.error(problem)
     if len(args.replay) > 2:
         parser.error(f"--replay takes one table, or two for a workload change, got {len(args.replay)}")
     tables = []
@@ -206,4 +226,23 @@ def _replay(args, parser) -> int:
                   f"(seeds: {r['trials']})")
     if args.json:
         cli.write_json(args.json, doc)
+    if args.plot:
+        _plot({name: r["median_best"] for name, r in doc["tuners"].items()}, args.plot,
+              f"replay of {args.replay[0]}: median over {args.seeds} seeds")
     return 0
+
+
+def _plot(curves: dict, path: str, title: str) -> None:
+    """Best-so-far step time against trials, one line per tuner."""
+    from matplotlib.figure import Figure  # headless
+
+    fig = Figure(figsize=(6.5, 4.2), layout="constrained")
+    ax = fig.subplots()
+    for name, curve in curves.items():
+        ax.plot(range(1, len(curve) + 1), [c * 1e3 for c in curve], label=name, linewidth=1.2)
+    ax.set_xlabel("trial")
+    ax.set_ylabel("best step time so far (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=120)

@@ -41,16 +41,19 @@ class Table:
 def replay(table: Table, tuners=("rrl", "random", "tpe"), seeds: int = 20, budget: int | None = None,
            tolerance: float = 0.05) -> dict:
     """Per tuner: trials to reach a feasible configuration within ``tolerance`` of the table's best,
-    for each seed (``budget`` + 1 when never), and their median."""
+    for each seed (``budget`` + 1 when never), their median, and the median over seeds of the best
+    cost after each trial (``median_best``; inf before a feasible one)."""
     budget = budget or len(table.space)
     out = {}
     for name in tuners:
-        counts = []
+        counts, curves = [], []
         for seed in range(seeds):
             history = run(TUNERS[name](table.space, seed=seed), table.measure, budget)
             n = trials_to_within(history, table.optimum(), tolerance)
             counts.append(n if n is not None else budget + 1)
-        out[name] = {"trials": counts, "median": statistics.median(counts)}
+            curves.append([h["best_cost"] if h["best_cost"] is not None else float("inf") for h in history])
+        out[name] = {"trials": counts, "median": statistics.median(counts),
+                     "median_best": [statistics.median(c[i] for c in curves) for i in range(budget)]}
     return out
 
 
