@@ -48,6 +48,25 @@ MODES = {
 PEERS = ("fsdp2",)
 
 
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """The char transformer's size, the global batch and AdamW's learning rate (train and tune)."""
+    p.add_argument("--batch", type=cli.positive_int, default=16, help="global batch, sequences (default 16)")
+    p.add_argument("--context", type=cli.positive_int, default=64, help="sequence length (default 64)")
+    p.add_argument("--d-model", type=cli.positive_int, default=128, help="model width (default 128)")
+    p.add_argument("--layers", type=cli.positive_int, default=4, help="transformer blocks (default 4)")
+    p.add_argument("--heads", type=cli.positive_int, default=4, help="attention heads (default 4)")
+    p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
+
+
+def check_model_options(parser: argparse.ArgumentParser, args: argparse.Namespace, world: int) -> None:
+    if args.batch % world:
+        parser.error(f"--batch {args.batch} is not divisible by the world size {world}")
+    if args.d_model % args.heads:
+        parser.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
+    if not args.lr > 0:
+        parser.error(f"--lr must be positive, got {args.lr}")
+
+
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(NAME, help="train the char transformer with ZeRO-3, ZeRO++ and FSDP2 side by side",
                               description=__doc__.split("\n\n")[0])
@@ -55,12 +74,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help=f"qcoll configurations to run, of {' '.join(MODES)} (default zero3 zeropp)")
     p.add_argument("--peer", nargs="*", default=[], choices=PEERS, help="also run PyTorch FSDP2 (fully_shard)")
     p.add_argument("--steps", type=cli.positive_int, default=20, help="training steps per mode (default 20)")
-    p.add_argument("--batch", type=cli.positive_int, default=16, help="global batch, sequences (default 16)")
-    p.add_argument("--context", type=cli.positive_int, default=64, help="sequence length (default 64)")
-    p.add_argument("--d-model", type=cli.positive_int, default=128, help="model width (default 128)")
-    p.add_argument("--layers", type=cli.positive_int, default=4, help="transformer blocks (default 4)")
-    p.add_argument("--heads", type=cli.positive_int, default=4, help="attention heads (default 4)")
-    p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
+    add_model_options(p)
     p.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
     g = p.add_argument_group("adaptive batch (SimiGrad) and time to a target loss")
     g.add_argument("--adaptive-batch", type=float, default=None, metavar="TARGET",
@@ -84,14 +98,9 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     world = cli.check_common(parser, args)
-    if args.batch % world:
-        parser.error(f"--batch {args.batch} is not divisible by the world size {world}")
-    if args.d_model % args.heads:
-        parser.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
+    check_model_options(parser, args, world)
     if args.warmup >= args.steps:
         parser.error(f"--warmup {args.warmup} must be smaller than --steps {args.steps}")
-    if not args.lr > 0:
-        parser.error(f"--lr must be positive, got {args.lr}")
     if args.adaptive_batch is not None and not 0 < args.adaptive_batch < 1:
         parser.error(f"--adaptive-batch must be a cosine in (0, 1), got {args.adaptive_batch}")
     if args.adaptive_batch is not None and "fsdp2" in args.peer:
@@ -104,7 +113,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def _model(args):
+def build_model(args):
+    """The char transformer of the model options, seeded by ``--seed``."""
     from .transformer import CharTransformer, TransformerConfig
 
     torch.manual_seed(args.seed)
@@ -147,7 +157,7 @@ def _steps(args, forward_backward, step, rank, world):
 def _run_qcoll(args, mode, topo):
     from .. import zero
 
-    model = _model(args)
+    model = build_model(args)
     m = zero.shard(model, topo, zero.ZeroConfig(**MODES[mode]), units=model.units())
     opt = zero.Optimizer(m, torch.optim.AdamW, lr=args.lr, weight_decay=0.0)
     memory = {}
@@ -171,7 +181,7 @@ def _run_fsdp2(args, topo):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = _model(args)
+    model = build_model(args)
     mesh = init_device_mesh("cpu", (topo.world_size,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
@@ -191,7 +201,7 @@ def _run_fsdp2(args, topo):
     # FSDP2 moves fp32 all-gathers (forward and backward) and a reduce-scatter over the world
     # group per unit; counted by DESIGN.md's rule, with the world spanning nodes (inter-node).
     W = topo.world_size
-    shard_elems = sum(-(-p.numel() // W) for p in _model(args).parameters())
+    shard_elems = sum(-(-p.numel() // W) for p in build_model(args).parameters())
     inter = 3 * (W - 1) * 4 * shard_elems if topo.num_nodes > 1 else 0
     intra = 0 if topo.num_nodes > 1 else 3 * (W - 1) * 4 * shard_elems
     return losses, seconds, intra, inter, link, {}, times
@@ -243,7 +253,7 @@ def _rank_main(args) -> None:
 
 
 def _adaptive_run(args, mode, topo) -> dict:
-    rec = adaptive.run(args, MODES[mode], topo, _model(args))
+    rec = adaptive.run(args, MODES[mode], topo, build_model(args))
     seconds = statistics.median(rec["seconds"][args.warmup:] or rec["seconds"])
     samples, wall, steps = adaptive.to_target(rec["losses"], rec["batches"], rec["seconds"], args.target_loss,
                                               args.loss_window)

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import cli, progress
+from . import cli, progress, train
 from .launch import run_ranks
 
 NAME = "tune"
@@ -47,12 +47,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=cli.positive_int, default=6, help="steps per measurement (default 6)")
     p.add_argument("--max-loss-increase", type=float, default=0.05,
                    help="feasible: final loss at most (1 + this) x ZeRO-3's (default 0.05)")
-    p.add_argument("--batch", type=cli.positive_int, default=16, help="global batch, sequences (default 16)")
-    p.add_argument("--context", type=cli.positive_int, default=64, help="sequence length (default 64)")
-    p.add_argument("--d-model", type=cli.positive_int, default=128, help="model width (default 128)")
-    p.add_argument("--layers", type=cli.positive_int, default=4, help="transformer blocks (default 4)")
-    p.add_argument("--heads", type=cli.positive_int, default=4, help="attention heads (default 4)")
-    p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
+    train.add_model_options(p)
     cli.add_common_options(p, iters=1, warmup=2)
     p.set_defaults(func=main)
     return p
@@ -72,10 +67,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.replay:
         return _replay(args, parser)
     world = cli.check_common(parser, args)
-    if args.batch % world:
-        parser.error(f"--batch {args.batch} is not divisible by the world size {world}")
-    if args.d_model % args.heads:
-        parser.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
+    train.check_model_options(parser, args, world)
     if args.warmup >= args.steps - 2:
         parser.error(f"--warmup {args.warmup} must leave at least 3 timed steps of --steps {args.steps}")
     if not args.max_loss_increase >= 0:
@@ -88,11 +80,8 @@ def _measure(args, topo, config: dict) -> tuple[float, float]:
     """(median step seconds after --warmup, mean loss of the last 3 steps) of one configuration."""
     from .. import zero
     from .textdata import Batches, stdlib_bytes
-    from .transformer import CharTransformer, TransformerConfig
 
-    torch.manual_seed(args.seed)
-    model = CharTransformer(TransformerConfig(context=args.context, d_model=args.d_model, n_layers=args.layers,
-                                              n_heads=args.heads))
+    model = train.build_model(args)
     m = zero.shard(model, topo, zero.ZeroConfig(**config), units=model.units())
     opt = zero.Optimizer(m, torch.optim.AdamW, lr=args.lr, weight_decay=0.0)
     batches = Batches(stdlib_bytes(), args.batch, args.context, args.seed + 1)
