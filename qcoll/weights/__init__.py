@@ -1,0 +1,5 @@
+"""The weight-quantized model as a product: per-parameter codes and scales
+(:class:`QuantizedWeight`), their safetensors file, and loading it into a plain module."""
+from .record import QuantizedWeight
+
+__all__ = ["QuantizedWeight"]
