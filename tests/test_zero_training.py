@@ -198,9 +198,9 @@ def test_bytes_per_step_follow_the_design(ranks4):
     W, L, N = 4, 2, 2
     z3 = ranks4.run(_bytes_per_step, zero.ZeroConfig.zero3(), timeout=60)
     zpp = ranks4.run(_bytes_per_step, zero.ZeroConfig(), timeout=60)
-    shards = z3[0][2]
-    assert shards == zpp[0][2]
-    want_z3 = sum(3 * (W - 1) * 4 * S for S in shards)
+    want_z3 = sum(3 * (W - 1) * 4 * S for S in z3[0][2])
+    shards = zpp[0][2]  # the block-aligned layout: whole 256-element blocks per shard (ZeRO-3's are not)
+    assert all(S % 256 == 0 for S in shards) and len(shards) == len(z3[0][2])
     H = 16
     p8 = [packed_nbytes(S, 8, 256) for S in shards]
     p4 = [packed_nbytes(S, 4, 128) for S in shards]

@@ -2,8 +2,9 @@
 
 Each flat group's master shard (and every optimizer state tensor of the same
 shape) is saved as a 1-D ``DTensor`` sharded ``Shard(0)`` over the world, of
-global length ``total``: DCP records global offsets, so a checkpoint written by 4
-ranks loads into 2 (or any other world size). Scalars (Adam's ``step``), buffers,
+global length ``total``, in the compact layout (the parameters without the
+block-alignment padding, see :mod:`qcoll.zero.flat`): DCP records global offsets, so a
+checkpoint written by 4 ranks loads into 2 (or any other world size, or block size). Scalars (Adam's ``step``), buffers,
 the engine's micro-step counter (stochastic-rounding seeds) and the loss scaler
 are saved as replicated values, so a resume in the same world size continues
 bit-identically.
@@ -37,7 +38,9 @@ def _mesh(device: torch.device):
 
 
 def _dtensor(group, local: torch.Tensor) -> DTensor:
-    return DTensor.from_local(local[: group.local_numel], _mesh(local.device), [Shard(0)], run_check=False,
+    """``local`` (a ``[S]`` shard in the group's block-aligned layout) as this rank's slice of the
+    compact layout, a 1-D DTensor of the group's ``total`` elements (collective when padded)."""
+    return DTensor.from_local(group.compact_shard(local), _mesh(local.device), [Shard(0)], run_check=False,
                               shape=torch.Size([group.total]), stride=(1,))
 
 
@@ -220,8 +223,7 @@ def load(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
             if kind == "flat":
                 g = groups[name]
                 local = value.to_local().clone()  # may be a view of the master itself (loaded in place)
-                g.master.zero_()
-                g.master[: g.local_numel].copy_(local)
+                g.shard_from_compact(local, g.master)
         buffers = model._plain_state_dict()
         for key, value in state["model"].items():
             if key.startswith("buffer."):
@@ -241,9 +243,7 @@ def _restore_optimizer(opt: Optimizer, saved: dict, groups: dict) -> None:
             for k, v in opt.optimizer.state[m].items():
                 loaded = saved["state"][f"{g.name}.{k}"]
                 if isinstance(v, torch.Tensor) and v.shape == m.shape:
-                    local = loaded.to_local().clone()
-                    v.zero_()
-                    v[: g.local_numel].copy_(local)
+                    g.shard_from_compact(loaded.to_local().clone(), v)
                 elif isinstance(v, torch.Tensor):
                     v.copy_(loaded)
                 else:

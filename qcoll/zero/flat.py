@@ -1,10 +1,21 @@
 """``FlatGroup``: some parameters of one unit, flattened into one buffer and sharded.
 
-Layout: the parameters are concatenated (row-major, in registration order) into
-``total`` elements; rank ``r`` owns elements ``[r*S, (r+1)*S)`` with
-``S = ceil(total / world)``, which is exactly the layout of a 1-D DTensor
-``Shard(0)`` of length ``total`` (so checkpoints reshard across world sizes).
-The tail of the last shards is zero padding; it stays zero (its gradient is 0).
+Layout (block-aligned, DESIGN.md): the parameters are laid out row-major in
+registration order, each starting at a multiple of ``align`` (the weight block size
+when weights are quantized, else 1), in a buffer of ``world * S`` elements where the
+shard size ``S`` is a whole number of ``align`` blocks. Rank ``r`` owns elements
+``[r*S, (r+1)*S)``. So no quantization block of the forward's qwZ gather mixes two
+parameters (a LayerNorm gain near 1.0 beside a weight matrix near 0.02 would make the
+small weights round to zero at 4 bits), and each parameter's codes are a whole number
+of blocks that can be exported as the forward used them. The padding between
+parameters and at the end is zero and stays zero (its gradient is 0); the memory
+report counts it.
+
+Checkpoints do not see the padding: :meth:`FlatGroup.compact_shard` gives this rank's
+slice of the *compact* layout (the parameters concatenated without gaps, ``total``
+elements, ``ceil(total / world)`` per rank, exactly a 1-D DTensor ``Shard(0)``), and
+:meth:`FlatGroup.shard_from_compact` goes back, so a checkpoint written by one world
+size (or block size) loads into another.
 
 The module's parameters keep their identity (tied weights, user references). While
 the group is gathered their ``.data`` are views into ``full``, a ``world * S`` buffer
@@ -39,11 +50,15 @@ class FlatGroup:
         self.shapes = [p.shape for p in self.params]
         self.orig_dtypes = [p.dtype for p in self.params]
         self.numels = [p.numel() for p in self.params]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
         self.total = sum(self.numels)
+        self.align = config.weight_block if config.weight_bits is not None else 1
+        self.offsets = _aligned_offsets(self.numels, self.align)
         W = topology.world_size
-        self.shard_numel = -(-self.total // W)
-        self.local_numel = max(0, min(self.shard_numel, self.total - topology.rank * self.shard_numel))
+        end = self.offsets[-1] + self.numels[-1] if self.params else 0
+        self.shard_numel = _round_up(-(-end // W), self.align)
+        #: this rank's slice of the compact layout (no padding): what checkpoints hold
+        self.compact_shard_numel = -(-self.total // W)
+        self.local_numel = max(0, min(self.compact_shard_numel, self.total - topology.rank * self.compact_shard_numel))
         full = torch.zeros(W * self.shard_numel, dtype=torch.float32, device=self.params[0].device)
         for p, off, n in zip(self.params, self.offsets, self.numels):
             full[off:off + n].copy_(p.detach().reshape(-1))
@@ -161,16 +176,74 @@ class FlatGroup:
         self.maybe_free()
 
     # ------------------------------------------------------------------ full values
+    @property
+    def padded(self) -> bool:
+        """Whether the layout has gaps (or a tail) beyond the compact one."""
+        return self.shard_numel != self.compact_shard_numel or self.offsets != _aligned_offsets(self.numels, 1)
+
+    def gather_full(self, local: torch.Tensor) -> torch.Tensor:
+        """All ranks' ``local`` (a ``[S]`` tensor in this layout, fp32) gathered unquantized:
+        ``world * S`` elements on every rank (collective)."""
+        out = torch.empty(self.topology.world_size * self.shard_numel, dtype=torch.float32, device=local.device)
+        all_gather_quantized(out, local.detach().to(torch.float32), bits=None)
+        return out
+
     def gather_full_fp32(self) -> torch.Tensor:
-        """The exact (unquantized) fp32 values of all parameters, ``total`` elements, on every rank."""
-        W, S = self.topology.world_size, self.shard_numel
-        out = torch.empty(W * S, dtype=torch.float32, device=self.master.device)
-        all_gather_quantized(out, self.master.detach(), bits=None)
-        return out[: self.total]
+        """The exact (unquantized) fp32 master values in this layout (``world * S`` elements,
+        parameter ``i`` at ``offsets[i]``), on every rank (collective)."""
+        return self.gather_full(self.master)
 
     def load_full_fp32(self, full: torch.Tensor) -> None:
-        """Set this rank's master shard from the full flat values (``total`` elements)."""
+        """Set this rank's master shard from the full values in this layout (``world * S``, its
+        padding zero, as :meth:`gather_full_fp32` gives it)."""
         r, S = self.topology.rank, self.shard_numel
         with torch.no_grad():
-            self.master.zero_()
-            self.master[: self.local_numel].copy_(full[r * S: r * S + self.local_numel])
+            self.master.copy_(full[r * S:(r + 1) * S])
+
+    def local_param_numel(self) -> int:
+        """Elements of this rank's shard that hold parameter values (the rest is padding)."""
+        start = self.topology.rank * self.shard_numel
+        end = start + self.shard_numel
+        return sum(max(0, min(end, off + n) - max(start, off)) for off, n in zip(self.offsets, self.numels))
+
+    def _compact_index(self, device) -> torch.Tensor:
+        return torch.cat([torch.arange(off, off + n, device=device) for off, n in zip(self.offsets, self.numels)])
+
+    def compact_shard(self, local: torch.Tensor) -> torch.Tensor:
+        """This rank's ``local_numel`` elements of the compact layout (fp32), from ``local``
+        (``[S]``, this layout): no copy without padding, else a collective (all ranks call it)."""
+        r, C = self.topology.rank, self.compact_shard_numel
+        if not self.padded:
+            return local[: self.local_numel]
+        compact = self.gather_full(local)[self._compact_index(local.device)]
+        return compact[r * C: r * C + self.local_numel].clone()
+
+    def shard_from_compact(self, compact_local: torch.Tensor, out: torch.Tensor) -> None:
+        """Inverse of :meth:`compact_shard`: write this rank's ``[S]`` slice of this layout into
+        ``out`` from every rank's ``compact_local`` (collective when padded)."""
+        r, S, C = self.topology.rank, self.shard_numel, self.compact_shard_numel
+        with torch.no_grad():
+            out.zero_()
+            if not self.padded:
+                out[: self.local_numel].copy_(compact_local)
+                return
+            mine = torch.zeros(C, dtype=torch.float32, device=out.device)
+            mine[: self.local_numel].copy_(compact_local)
+            every = torch.empty(self.topology.world_size * C, dtype=torch.float32, device=out.device)
+            all_gather_quantized(every, mine, bits=None)
+            full = torch.zeros(self.topology.world_size * S, dtype=torch.float32, device=out.device)
+            full[self._compact_index(out.device)] = every[: self.total]
+            out.copy_(full[r * S:(r + 1) * S])
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def _aligned_offsets(numels: list[int], align: int) -> list[int]:
+    """Where each parameter starts: right after the previous one, rounded up to ``align``."""
+    offsets, pos = [], 0
+    for n in numels:
+        offsets.append(pos)
+        pos = _round_up(pos + n, align)
+    return offsets

@@ -18,7 +18,8 @@ def _nbytes(tensors) -> int:
 
 
 def memory_report(model, optimizer=None) -> dict:
-    """Bytes this rank holds now: fp32 master shards, their gradients, the inner
+    """Bytes this rank holds now: fp32 master shards (``padding``: the bytes of them that the
+    block-aligned layout adds, included in ``master``), their gradients, the inner
     optimizer's state, hpZ secondary shards, gathered full parameters (now, and the
     most held at once since sharding: ``gathered_peak``), and what
     ZeRO-3's rule predicts (``16 x params / world`` for fp32 Adam, plus
@@ -31,6 +32,7 @@ def memory_report(model, optimizer=None) -> dict:
     report = {
         "params": params,
         "master": _nbytes(g.master for g in groups),
+        "padding": sum(g.shard_numel - g.local_param_numel() for g in groups) * 4,
         "grad": _nbytes(g.master.grad for g in groups),
         "optimizer_state": 0,
         "secondary": _nbytes(g.secondary.data for g in groups if g.secondary is not None),
