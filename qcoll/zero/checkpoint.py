@@ -15,8 +15,6 @@ crash at any point leaves the previous checkpoint or the new one, never a mix.
 """
 from __future__ import annotations
 
-import pickle
-
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -24,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from . import atomic_dir
+from .rank0 import on_rank0
 from .state import state_of
 from .optimizer import Optimizer
 
@@ -127,31 +126,6 @@ def _check(model, optimizer, adaptive=None):
         raise TypeError("optimizer must be the qcoll.zero.Optimizer of this model")
 
 
-def _on_rank0(fn, *args):
-    """``fn(*args)`` on rank 0, its result (or its exception) broadcast: every rank returns it or raises."""
-    box = [None]
-    error = None
-    if dist.get_rank() == 0:
-        try:
-            box[0] = (True, fn(*args))
-        except Exception as e:
-            error = e
-            try:
-                pickle.loads(pickle.dumps(e))
-                box[0] = (False, e)
-            except Exception:
-                box[0] = (False, RuntimeError(f"{type(e).__name__}: {e}"))
-    dist.broadcast_object_list(box, src=0)
-    if error is not None:
-        raise error
-    ok, value = box[0]
-    if not ok:
-        if hasattr(value, "add_note"):
-            value.add_note("(raised on rank 0, which handles the checkpoint directory)")
-        raise value
-    return value
-
-
 def _install(tmp: str, path: str):
     try:
         return atomic_dir.install(tmp, path)
@@ -176,7 +150,7 @@ def save(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
     _check(model, optimizer, adaptive)
     path = atomic_dir.checkpoint_path(checkpoint_dir)
     state_of(model).engine.wait_reduces()
-    tmp = _on_rank0(atomic_dir.prepare_save, path)
+    tmp = on_rank0(atomic_dir.prepare_save, path)
     try:
         state = {"model": _model_state(model), "engine": {"micro_step": torch.tensor(state_of(model).engine.micro_step)}}
         created = optimizer is not None and _ensure_optimizer_state(optimizer)
@@ -194,7 +168,7 @@ def save(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
         if dist.get_rank() == 0:
             atomic_dir.discard(tmp)
         raise
-    superseded = _on_rank0(_install, tmp, path)
+    superseded = on_rank0(_install, tmp, path)
     if superseded is not None and dist.get_rank() == 0:
         atomic_dir.discard(superseded)
 
@@ -208,7 +182,7 @@ def load(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
     _check(model, optimizer, adaptive)
     path = atomic_dir.checkpoint_path(checkpoint_dir)
     state_of(model).engine.wait_reduces()
-    path = _on_rank0(atomic_dir.resolve_load, path)
+    path = on_rank0(atomic_dir.resolve_load, path)
     state = {"model": _model_state(model), "engine": {"micro_step": torch.tensor(0)}}
     if optimizer is not None:
         _ensure_optimizer_state(optimizer)
