@@ -8,7 +8,13 @@ from __future__ import annotations
 import importlib.resources
 
 PACKAGE = "qcoll.cuda_src"
-HEADER = "qcoll_common.cuh"
+#: the headers the kernels include, each by its bare name (NVRTC resolves an include only
+#: by the exact name a header is registered under, so they stay flat in ``src/cuda``)
+HEADERS = (
+    "qcoll_format.cuh",          # host + device wire-format math (also built by tests/host)
+    "qcoll_memory.cuh",          # vector loads / stores of codes, scales, element groups
+    "qcoll_block_quantize.cuh",  # device: warp-cooperative block quantizer, dequantize loop
+)
 
 #: kernel source file -> the extern "C" kernels it defines
 KERNELS = {
@@ -29,15 +35,15 @@ def source_dir():
 
 
 def read_source(name: str) -> str:
-    """Text of one source file (a ``.cu`` or the shared header)."""
-    if name != HEADER and name not in KERNELS:
-        raise KeyError(f"unknown qcoll CUDA source {name!r}; known: {sorted(KERNELS)} and {HEADER}")
+    """Text of one source file (a ``.cu`` or one of the headers)."""
+    if name not in HEADERS and name not in KERNELS:
+        raise KeyError(f"unknown qcoll CUDA source {name!r}; known: {sorted(KERNELS)} and {list(HEADERS)}")
     return source_dir().joinpath(name).read_text(encoding="utf-8")
 
 
 def headers() -> dict[str, str]:
     """Include name -> text of every header the kernels include."""
-    return {HEADER: read_source(HEADER)}
+    return {name: read_source(name) for name in HEADERS}
 
 
 def kernel_for(name: str) -> str:

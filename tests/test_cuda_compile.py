@@ -138,6 +138,17 @@ def test_every_kernel_source_is_compiled_and_checked():
     assert all(sources.KERNELS[s] for s in on_disk)
 
 
+def test_every_header_is_passed_to_nvrtc():
+    """NVRTC sees only the headers sources.headers() names: it must name every .cuh shipped, and
+    every quoted #include of a source or header must be one of them."""
+    headers = sources.headers()
+    assert set(headers) == {p.name for p in SRC_DIR.glob("*.cuh")}
+    for name in [*sources.KERNELS, *headers]:
+        included = re.findall(r'^\s*#\s*include\s+"([^"]+)"', sources.read_source(name), re.M)
+        assert set(included) <= set(headers), (name, included)
+        assert included or name in headers, f"{name} includes no qcoll header"
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_compile_all_returns_every_source(arch, cubins):
     qnvrtc = _nvrtc_or_skip()

@@ -1,5 +1,5 @@
-"""The __host__ __device__ helpers of src/cuda/qcoll_common.cuh, built for the CPU with a
-host C++ compiler (tests/host/qc_host_test.cpp), against the torch reference byte for byte."""
+"""The __host__ __device__ helpers of src/cuda/qcoll_format.cuh and qcoll_memory.cuh, built for
+the CPU with a host C++ compiler (tests/host/qc_host_test.cpp), against the torch reference byte for byte."""
 from __future__ import annotations
 
 import os

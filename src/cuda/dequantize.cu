@@ -1,22 +1,25 @@
 // dequantize.cu - unpack + dequantize rows: uint8 [rows, packed_nbytes(n)] -> [rows, n]
-// in fp32/bf16/fp16. One thread per 8-element group (a block's groups are handled by
-// consecutive threads, so a warp covers whole blocks); no cross-thread cooperation.
-#include "qcoll_common.cuh"
+// in fp32/bf16/fp16. One thread per 8-element group (qc_dequantize_rows_loop, shared
+// with qcoll_dequantize_reduce); no cross-thread cooperation.
+#include "qcoll_memory.cuh"
+#include "qcoll_block_quantize.cuh"
+
+// Element group e0 .. e0+7 of packed row `row`, dequantized (padding too: the loop masks it).
+struct QcPackedSource {
+  const qc_u8* buf;
+  qc_u64 codes_nbytes, row_bytes;
+  int bits;
+  int block;
+  __device__ __forceinline__ void load8(qc_u64 row, qc_u64 e0, float v[QC_GROUP]) const {
+    qc_dequant_group(buf + row * row_bytes, e0, codes_nbytes, bits, block, v);
+  }
+};
 
 template <class T>
 __device__ __forceinline__ void qc_dequantize_kernel(const qc_u8* buf, typename T::storage* out, qc_u64 rows,
                                                      qc_u64 n, int bits, int block, int vec) {
-  const qc_u64 codes = qc_codes_nbytes(n, bits, block);
-  const qc_u64 row_bytes = qc_packed_nbytes(n, bits, block);
-  const qc_u64 groups = (n + QC_GROUP - 1) / QC_GROUP;  // per row; padding-only groups are skipped
-  const qc_u64 tasks = rows * groups;
-  const qc_u64 stride = (qc_u64)gridDim.x * blockDim.x;
-  for (qc_u64 t = (qc_u64)blockIdx.x * blockDim.x + threadIdx.x; t < tasks; t += stride) {
-    qc_u64 row = t / groups, e0 = (t % groups) * QC_GROUP;
-    float v[QC_GROUP];
-    qc_dequant_group(buf + row * row_bytes, e0, codes, bits, block, v);
-    qc_store8<T>(out + row * n, e0, n, vec, v);
-  }
+  const QcPackedSource src{buf, qc_codes_nbytes(n, bits, block), qc_packed_nbytes(n, bits, block), bits, block};
+  qc_dequantize_rows_loop<T>(src, rows, n, out, vec);
 }
 
 #define QC_DEQUANTIZE(NAME, T)                                                                   \

@@ -1,5 +1,6 @@
 // quantize.cu - quantize + pack rows: x [rows, n] (fp32/bf16/fp16) -> uint8 [rows, packed_nbytes(n)].
-#include "qcoll_common.cuh"
+#include "qcoll_memory.cuh"
+#include "qcoll_block_quantize.cuh"
 
 template <class T>
 struct QcRowSource {

@@ -4,7 +4,8 @@
 // (qcoll_dequantize_reduce) or quantized again with their own bits / block size /
 // seed / offset (qcoll_reduce_requantize). No atomics: every output element is
 // owned by one thread.
-#include "qcoll_common.cuh"
+#include "qcoll_memory.cuh"
+#include "qcoll_block_quantize.cuh"
 
 // The fp32 sum of element group e0 .. e0+7 of `row` over the k inputs (zeros past n).
 struct QcReduceSource {
@@ -36,15 +37,7 @@ extern "C" __global__ void __launch_bounds__(256)
     qcoll_dequantize_reduce(const qc_u8* __restrict__ bufs, float* __restrict__ out, qc_u64 k, qc_u64 rows,
                             qc_u64 n, int bits, int block, int vec) {
   const QcReduceSource src = qc_reduce_source(bufs, k, rows, n, bits, block);
-  const qc_u64 groups = (n + QC_GROUP - 1) / QC_GROUP;
-  const qc_u64 tasks = rows * groups;
-  const qc_u64 stride = (qc_u64)gridDim.x * blockDim.x;
-  for (qc_u64 t = (qc_u64)blockIdx.x * blockDim.x + threadIdx.x; t < tasks; t += stride) {
-    qc_u64 row = t / groups, e0 = (t % groups) * QC_GROUP;
-    float v[QC_GROUP];
-    src.load8(row, e0, v);
-    qc_store8<QcF32>(out + row * n, e0, n, vec, v);
-  }
+  qc_dequantize_rows_loop<QcF32>(src, rows, n, out, vec);
 }
 
 // No __launch_bounds__ here: with it ptxas caps registers at 80 and spills 8 bytes.

@@ -1,7 +1,8 @@
 // swizzle_quantize.cu - qgZ step 1: view flat x as [N, L, S]; output row l * N + n is
 // slice (n, l) quantized on its own: uint8 [L * N, packed_nbytes(S)]. The reorder is
 // fused into the loads (no transposed copy).
-#include "qcoll_common.cuh"
+#include "qcoll_memory.cuh"
+#include "qcoll_block_quantize.cuh"
 
 template <class T>
 struct QcSwizzleSource {

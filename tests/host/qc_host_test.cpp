@@ -1,7 +1,7 @@
 // Host driver for tests/test_cuda_host_helpers.py: runs the __host__ __device__
-// helpers of src/cuda/qcoll_common.cuh on the CPU, composed the way the kernels
-// compose them, on binary inputs written by the test; the test compares the output
-// bytes with the torch reference.
+// helpers of src/cuda/qcoll_format.cuh and src/cuda/qcoll_memory.cuh on the CPU,
+// composed the way the kernels compose them, on binary inputs written by the test;
+// the test compares the output bytes with the torch reference.
 //
 // usage: qc_host_test MODE IN OUT [ints...]
 //   mix                                         u32 -> u32 (mix32)
@@ -18,7 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "qcoll_common.cuh"
+#include "qcoll_format.cuh"
+#include "qcoll_memory.cuh"
 
 static std::vector<unsigned char> read_all(const char* path) {
   std::vector<unsigned char> d;
