@@ -181,3 +181,35 @@ def test_tied_names_both_in_the_graph():
     (y,) = _session(model).run(None, {})
     c = QuantizedWeight.from_tensor(x, 8, 32).dequantize().half().float()
     assert torch.equal(torch.from_numpy(y), qw.dequantize() + qw.dequantize() + c)
+
+
+def _sharded_gpt2_export(rank, world, path, bits):
+    import qcoll
+    from qcoll import zero
+
+    m = zero.shard(_gpt2(), qcoll.Topology(1), zero.ZeroConfig(weight_bits=bits, hpz=False, grad_bits=4))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits = m(ids).logits
+    zero.export_quantized(m, path)
+    return logits, ids
+
+
+def test_sharded_training_model_round_trips_through_onnxruntime(ranks2, tmp_path):
+    """The whole path: a sharded GPT-2's quantized forward -> export_quantized (safetensors) ->
+    a plain model from the file -> ONNX -> onnxruntime: its logits are the sharded forward's
+    within the kernels' summation-order tolerance of the test above."""
+    from qcoll import weights
+
+    st = str(tmp_path / "gpt2.safetensors")
+    logits, ids = ranks2.run(_sharded_gpt2_export, st, 4, timeout=120)[0]
+    qw, _, _, _ = weights.read(st)
+    plain = weights.load_quantized(st, _gpt2())
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, logits)
+    path = str(tmp_path / "gpt2.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        export_onnx(plain, (ids,), qw, path, input_names=["input_ids"], output_names=["logits"])
+    (got,) = _session(path).run(["logits"], {"input_ids": ids.numpy()})
+    assert float(np.abs(got - logits.numpy()).max()) <= 1e-5
