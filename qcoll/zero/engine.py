@@ -245,7 +245,7 @@ class Engine:
         if self.generation is not None:
             raise RuntimeError("qcoll.zero: backward inside generation_mode(): the mode keeps the hpZ secondary "
                                "shards for forwards without backward; run the backward after the with-block "
-                               "(this backward's graph is spent: run its forward again)")
+                               "(autograd may have freed part of this graph: run its forward again)")
         if not self.in_backward:
             self.in_backward = True
             Variable._execution_engine.queue_callback(self._end_backward)

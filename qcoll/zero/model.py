@@ -77,8 +77,8 @@ class ZeroModule(nn.Module):
         ``summary()`` (first forward and mean after it: bytes per token).
 
         Rules: the mode does not nest, and it cannot be entered inside a forward or backward of
-        the model (``RuntimeError``). A backward inside the block raises ``RuntimeError`` (that
-        graph is then spent). A forward with gradients whose backward is still pending may
+        the model (``RuntimeError``). A backward inside the block raises ``RuntimeError`` (autograd
+        may have freed part of that graph: run its forward again after the block). A forward with gradients whose backward is still pending may
         precede the block: its secondary shards are set aside, put back on exit, and its
         backward runs after the block as it would have without it. An optimizer step (or
         ``load_state_dict``) inside the block is allowed: the kept shards of the changed
