@@ -83,7 +83,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.plot is not None:
         parser.error("--plot: generate draws no plot (its figures are in the table and --json)")
-    world = cli.check_common(parser, args)
+    cli.check_common(parser, args)
     if args.d_model % args.heads:
         parser.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
     if (args.d_model // args.heads) % 2 and args.arch == "llama":
@@ -96,7 +96,6 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         import transformers  # noqa: F401
     except ImportError:
         parser.error("generate needs transformers (pip install transformers, or the test extra)")
-    del world
     run_ranks(_rank_main, args, args.nproc, args.ranks_per_node)
     return 0
 
