@@ -25,7 +25,7 @@ import os
 import sys
 import tempfile
 
-SUBCOMMANDS = ("collectives", "train", "cluster", "tune")
+SUBCOMMANDS = ("collectives", "train", "cluster", "tune", "generate")
 
 PROG = "qcoll-bench"
 

@@ -1,4 +1,4 @@
-"""``qcoll-bench cluster``: run ``train`` or ``collectives`` on an emulated low-bandwidth cluster.
+"""``qcoll-bench cluster``: run ``train``, ``collectives``, ``tune`` or ``generate`` on an emulated low-bandwidth cluster.
 
 One network namespace per node, each node's link to a switch rate-limited with
 ``tc`` (:mod:`qcoll.bench.netns`), every rank started inside its node's namespace
@@ -21,7 +21,9 @@ JSON (``--json FILE``)::
                "result": <the inner command's JSON>}]}
 
 ``cross_node_bytes`` covers the whole command (start-up and warm-up included);
-``train`` also reports per mode the bytes per timed step (``link_bytes_per_step``).
+``train`` also reports per mode the bytes per timed step (``link_bytes_per_step``), ``generate``
+the bytes of the first forward and per token after it (``link_bytes_first_forward``,
+``link_bytes_per_token_after_first``).
 Needs root and iproute2; refuses with exit code 2 otherwise.
 """
 from __future__ import annotations
@@ -41,7 +43,7 @@ from .launch import RankFailed, _on_sigterm, _restore_signal, _set_signal
 from .linkmeter import ENV as METER_ENV
 
 NAME = "cluster"
-INNER = ("train", "collectives", "tune")
+INNER = ("train", "collectives", "tune", "generate")
 RESERVED = ("--nproc", "--ranks-per-node", "--json", "--plot")
 MASTER_PORT = 29500          # the namespaces are new, so nothing else listens there
 GRACE_S = 5.0
@@ -55,9 +57,10 @@ class InnerUsageError(Exception):
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(NAME, help="run train or collectives on an emulated cluster of network namespaces",
+    p = subparsers.add_parser(NAME, help="run train, collectives, tune or generate on an emulated cluster of "
+                                         "network namespaces",
                               description=__doc__.split("\n\n")[0],
-                              usage="qcoll-bench cluster [options] -- {train,collectives} [their options]")
+                              usage=f"qcoll-bench cluster [options] -- {{{','.join(INNER)}}} [their options]")
     p.add_argument("--nodes", type=cli.positive_int, default=2, help="emulated nodes (default 2)")
     p.add_argument("--ranks-per-node", type=cli.positive_int, default=2, help="ranks in each node (default 2)")
     p.add_argument("--link", nargs="+", default=["100mbit"], metavar="RATE",
@@ -66,7 +69,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=cli.positive_int, default=3600,
                    help="seconds one command may run before it is stopped (default 3600)")
     p.add_argument("--json", default=None, metavar="FILE", help="write every run's figures to this JSON file")
-    p.add_argument("inner", nargs=argparse.REMAINDER, help="-- then the command to run: train or collectives")
+    p.add_argument("inner", nargs=argparse.REMAINDER, help=f"-- then the command to run: {', '.join(INNER)}")
     p.set_defaults(func=main)
     return p
 

@@ -6,6 +6,9 @@ other ``g-1`` peers, reduce-scatter ``(g-1)/g x`` input bytes. A group that span
 nodes counts as inter-node. The frame headers of the quantized collectives
 (docs/FORMAT.md, "Frames") are part of those buffers and so of ``intra_bytes`` and
 ``inter_bytes``; ``header_bytes`` says how many of the bytes counted were headers.
+``total_intra_bytes`` / ``total_inter_bytes`` count the same since the process started
+and are never reset, so a caller can take differences around a region (the ZeRO
+layer's generation mode does, per forward) while others reset the counters.
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ class CommStats:
     inter_bytes: int = 0
     header_bytes: int = 0
     calls: dict = field(default_factory=lambda: defaultdict(int))
+    total_intra_bytes: int = 0   # since start, untouched by reset()
+    total_inter_bytes: int = 0
 
     def add(self, op: str, group, nbytes: int, header_bytes: int = 0) -> None:
         """Count ``nbytes`` handed to ``group``'s peers, ``header_bytes`` of them frame headers."""
@@ -33,10 +38,13 @@ class CommStats:
         self.header_bytes += header_bytes
         if group_spans_nodes(group):
             self.inter_bytes += nbytes
+            self.total_inter_bytes += nbytes
         else:
             self.intra_bytes += nbytes
+            self.total_intra_bytes += nbytes
 
     def reset(self) -> None:
+        """Zero the counters (``total_intra_bytes`` / ``total_inter_bytes`` keep counting)."""
         self.intra_bytes = 0
         self.inter_bytes = 0
         self.header_bytes = 0

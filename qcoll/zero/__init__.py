@@ -4,17 +4,19 @@
     opt = qcoll.zero.Optimizer(model, torch.optim.AdamW, lr=1e-3)
     loss = model(x).loss; loss.backward(); opt.step(); opt.zero_grad()
     qcoll.zero.save(path, model, opt) / qcoll.zero.load(path, model, opt)
+    with model.generation_mode() as gen: model.generate(...)   # hpZ shards kept across tokens
     qcoll.zero.export_quantized(model, "model.safetensors")  # the weight-quantized model
 """
 from .adaptive import AdaptiveBatch
 from .config import ZeroConfig
 from .export import export_quantized
+from .generation import GenerationStats
 from .memory import memory_report
 from .model import ShardedModel, ZeroModule, shard
 from .optimizer import LossScaler, Optimizer
 from .state import ZeroState, state_of
 
-__all__ = ["AdaptiveBatch", "export_quantized", "shard", "ZeroModule", "ShardedModel", "ZeroState", "state_of", "ZeroConfig", "Optimizer", "LossScaler", "save", "load", "memory_report"]
+__all__ = ["AdaptiveBatch", "export_quantized", "GenerationStats", "shard", "ZeroModule", "ShardedModel", "ZeroState", "state_of", "ZeroConfig", "Optimizer", "LossScaler", "save", "load", "memory_report"]
 
 
 def save(checkpoint_dir, model, optimizer=None, adaptive=None) -> None:

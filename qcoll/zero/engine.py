@@ -17,6 +17,15 @@ forward a torch-function probe sees every op's arguments, gathers such a paramet
 group on the spot and adds it to the innermost running unit, which from then on
 gathers it before its forward and backward like its own.
 
+Generation mode (:meth:`begin_generation` / :meth:`end_generation`, the engine side
+of ``ZeroModule.generation_mode()``): every group's forward gather keeps its hpZ
+secondary shard, also without gradients and for frozen groups, and the forwards
+after it gather from the kept packed bytes inside the node (``replica_gather``, as
+backward does), until the mode ends and releases them. Secondary shards held on entry
+(a forward with gradients whose backward has not run) are set aside and put back on
+exit; a kept shard whose master changed since (an optimizer step) is dropped at the next
+forward and gathered again. Backward inside the mode is refused.
+
 Every rank must run the same units in the same order and use the same
 parameters in each backward (as with DDP without ``find_unused_parameters``):
 the collectives are matched by order.
@@ -25,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 
 import torch
 from torch.autograd import Variable
@@ -37,6 +47,7 @@ from ..comm import similarity as sim
 from ..comm.stats import stats
 from ..quant.rng import mix32_int
 from .flat import FlatGroup
+from .generation import GenerationStats
 from .units import Unit
 
 
@@ -113,6 +124,11 @@ class Engine:
         self.measure_similarity = False    # SimiGrad: measure the half-batch cosine in each reduction
         self.last_similarity = None        # the cosine of the last measured backward (NaN: undefined)
         self._similarity = None            # this backward's local statistics, while reducing
+        self.generation: GenerationStats | None = None  # inside generation_mode(): its counts
+        self._set_aside: dict = {}         # generation mode: secondaries held on entry, put back on exit
+        self._kept_version: dict = {}      # generation mode: group index -> master._version when kept
+        self._forward_start = None         # generation mode: (inter, intra, seconds) when the forward began
+        self._profile = None               # generation mode: the forward's record_function
         self._group_of = {id(p): g for g in groups for p in g.params}
         self._hooks = []
         for u in units:
@@ -141,6 +157,8 @@ class Engine:
         if self.order:
             self.last_order = self.order
         self.order = []
+        if self.generation is not None:
+            self._begin_generation_forward()
         if not self.probed:
             self._probe = _ReleasedParameterProbe(self)
             self._probe.__enter__()
@@ -162,6 +180,8 @@ class Engine:
         self._in_forward = False
         for g in self.groups:
             g.maybe_free()
+        if self.generation is not None:
+            self._end_generation_forward()
         return output
 
     def _stop_probe(self) -> None:
@@ -222,6 +242,10 @@ class Engine:
     # ------------------------------------------------------------------ backward
     @_engine_hook
     def _pre_backward(self, unit: Unit, order: list[Unit], call: int, grad) -> None:
+        if self.generation is not None:
+            raise RuntimeError("qcoll.zero: backward inside generation_mode(): the mode keeps the hpZ secondary "
+                               "shards for forwards without backward; run the backward after the with-block "
+                               "(autograd may have freed part of this graph: run its forward again)")
         if not self.in_backward:
             self.in_backward = True
             Variable._execution_engine.queue_callback(self._end_backward)
@@ -287,6 +311,78 @@ class Engine:
         for group, handle, shard in reduces:
             handle.wait()
             group.accumulate(shard)
+
+    # ------------------------------------------------------------------ generation mode
+    def begin_generation(self) -> GenerationStats:
+        """Enter generation mode (see the module docstring); returns its counts."""
+        if self.generation is not None:
+            raise RuntimeError("qcoll.zero: generation_mode() is already active on this model (it does not "
+                               "nest; use the outer block's stats)")
+        if self.in_backward or self._in_forward:
+            where = "a backward" if self.in_backward else "a forward"
+            raise RuntimeError(f"qcoll.zero: generation_mode() entered inside {where} of the model; enter it "
+                               "around the forwards (e.g. around model.generate(...))")
+        self._set_aside = {}
+        self._kept_version = {}
+        for g in self.groups:
+            if g.secondary is not None and g.secondary.data is not None:  # a pending backward's: kept for it
+                self._set_aside[g.index] = g.secondary.data
+                g.secondary.data = None
+            g.hold_secondary = True
+        self.generation = GenerationStats()
+        return self.generation
+
+    def end_generation(self) -> None:
+        """Leave generation mode: release every secondary shard it kept, put back those
+        set aside on entry (also when the block raised)."""
+        try:
+            if self._in_forward:  # a forward raised where the end hook does not run (compiled): finish it
+                self._in_forward = False
+                self._reset_forward()
+        finally:
+            self._close_profile()
+            for g in self.groups:
+                g.hold_secondary = False
+                if g.secondary is not None:
+                    g.secondary.release()
+                    if g.index in self._set_aside:
+                        g.secondary.data = self._set_aside[g.index]
+            self._set_aside = {}
+            self._kept_version = {}
+            self._forward_start = None
+            self.generation = None
+
+    def _begin_generation_forward(self) -> None:
+        gen = self.generation
+        for g in self.groups:
+            sec = g.secondary
+            if sec is None:
+                continue
+            version = g.master._version  # in-place updates of the master (optimizer steps, loads) bump it
+            if sec.data is not None and self._kept_version.get(g.index) != version:
+                sec.release()  # kept before the master changed: stale, gather it across nodes again
+                gen.refreshed += 1
+            if sec.data is None:
+                self._kept_version[g.index] = version  # this forward's gather keeps it from this master
+        self._close_profile()
+        self._profile = torch.autograd.profiler.record_function("qcoll.zero.generation_forward")
+        self._profile.__enter__()
+        self._forward_start = (stats.total_inter_bytes, stats.total_intra_bytes, time.perf_counter())
+
+    def _end_generation_forward(self) -> None:
+        if self._forward_start is None:
+            return
+        inter, intra, t0 = self._forward_start
+        self._forward_start = None
+        self._close_profile()
+        held = sum(g.secondary.nbytes for g in self.groups if g.secondary is not None)
+        self.generation._record(stats.total_inter_bytes - inter, stats.total_intra_bytes - intra,
+                                time.perf_counter() - t0, held)
+
+    def _close_profile(self) -> None:
+        if self._profile is not None:
+            profile, self._profile = self._profile, None
+            profile.__exit__(None, None, None)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

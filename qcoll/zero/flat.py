@@ -98,20 +98,24 @@ class FlatGroup:
         return self.full.untyped_storage().nbytes()
 
     # ------------------------------------------------------------------ gather
+    #: Set by the engine inside ``generation_mode()``: forwards keep the hpZ secondary shard (without
+    #: gradients, frozen groups too) and, once kept, gather from it inside the node as backward does.
+    hold_secondary = False
+
     def start_gather(self, backward: bool) -> None:
         """Launch the async gather of the full parameters (no-op if gathered or in flight)."""
         if self.gathered or self.pending is not None:
             return
         cfg = self.config
         self._alloc_storage()
-        if backward and self.secondary is not None and self.secondary.data is not None:
+        if (backward or self.hold_secondary) and self.secondary is not None and self.secondary.data is not None:
             self.pending = replica_gather(self.full, self.secondary, async_op=True)
             return
         src = self.master.detach()
         if src.dtype != self.full.dtype:
             src = src.to(self.full.dtype)
-        keep = self.secondary if (self.secondary is not None and not backward and torch.is_grad_enabled()
-                                  and self.trainable) else None
+        keep = self.secondary if (self.secondary is not None and not backward and
+                                  (self.hold_secondary or (torch.is_grad_enabled() and self.trainable))) else None
         self.pending = all_gather_quantized(self.full, src, bits=cfg.weight_bits, block_size=cfg.weight_block,
                                             async_op=True, secondary=keep)
 

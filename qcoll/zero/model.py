@@ -47,6 +47,53 @@ class ZeroModule(nn.Module):
         finally:
             engine.sync_grads = previous
 
+    @contextlib.contextmanager
+    def generation_mode(self):
+        """Inference without backward (e.g. ``model.generate``) that keeps the hpZ secondary shards.
+
+        Usage (every rank, same prompt)::
+
+            with model.generation_mode() as gen:
+                tokens = model.generate(prompt, max_new_tokens=64, do_sample=False)
+            print(gen.forwards, gen.inter_node_bytes_per_forward)
+
+        Outside the mode a forward without gradients gathers every unit's weights over the
+        world each time (with qwZ quantized), so each generated token moves the whole model
+        across nodes. Inside it, each group's first gather is the usual qwZ all-gather and
+        keeps this rank's hpZ secondary shard (the packed bytes it receives anyway, frozen
+        groups too); every later forward gathers from the kept shards inside the node
+        (``replica_gather``), so after the first forward no weight bytes cross nodes. The
+        weights are the same quantized bytes in every forward, so the tokens are the ones the
+        model gives without the mode. The secondary shards are released on exit, also when
+        the block raises; memory while inside: ``params / ranks_per_node x weight_bits / 8``
+        bytes per rank (``qcoll.zero.memory_report(model)["secondary"]``).
+
+        Without hpZ (``ZeroConfig(hpz=False)``, e.g. ``ZeroConfig.zero3()``) there is nothing
+        to keep: the mode is valid and gathers as usual, over the world, and still counts.
+
+        The block runs under ``torch.no_grad()`` (Hugging Face ``generate`` adds its own).
+        Returns (``as``) a :class:`qcoll.zero.GenerationStats`: per forward the bytes this rank
+        handed to inter-node and intra-node groups and the seconds, ``forwards``, totals and
+        ``summary()`` (first forward and mean after it: bytes per token).
+
+        Rules: the mode does not nest, and it cannot be entered inside a forward or backward of
+        the model (``RuntimeError``). A backward inside the block raises ``RuntimeError`` (autograd
+        may have freed part of that graph: run its forward again after the block). A forward with gradients whose backward is still pending may
+        precede the block: its secondary shards are set aside, put back on exit, and its
+        backward runs after the block as it would have without it. An optimizer step (or
+        ``load_state_dict``) inside the block is allowed: the kept shards of the changed
+        groups are stale, so the next forward drops them and gathers those groups across nodes
+        again (counted in ``refreshed``). A collective: every rank enters and leaves the
+        block together and runs the same forwards in it.
+        """
+        engine = state_of(self).engine
+        stats = engine.begin_generation()
+        try:
+            with torch.no_grad(), torch.autograd.profiler.record_function("qcoll.zero.generation_mode"):
+                yield stats
+        finally:
+            engine.end_generation()
+
     def __deepcopy__(self, memo):
         raise TypeError(f"a {type(self).__name__} sharded by qcoll.zero.shard cannot be deep-copied (its "
                         "parameters live as shards across ranks); copy the plain model before sharding, or "

@@ -1,0 +1,357 @@
+"""``qcoll-bench generate``: greedy generation of a sharded Hugging Face decoder, ZeRO-3 against ZeRO++.
+
+A small GPT-2 or Llama built from a config (random weights, no downloads) is
+sharded once per mode and generates ``--tokens`` new tokens greedily (batch 1,
+a seeded random prompt of ``--prompt-len`` tokens; ``min_new_tokens`` keeps the
+count fixed). Modes:
+
+- ``zero3``: ``ZeroConfig.zero3()`` (fp32 weights gathered over the world for every
+  token), without the mode (without hpZ it would gather the same, as the tests check);
+- ``zeropp``: ``ZeroConfig(weight_bits=--weight-bits, hpz=True)`` without the mode (qwZ
+  gathers over the world for every token);
+- ``zeropp-gen``: the same inside ``model.generation_mode()``: the first forward's qwZ
+  gather keeps the hpZ secondary shards, every later one gathers inside the node.
+
+Per mode: ``--warmup`` untimed generations of a few tokens, a 1-token generation
+that gives the cross-node bytes of the first forward on the node links (inside
+``qcoll-bench cluster``), then ``--iters`` timed generations (the median is
+reported; seconds are the slowest rank's). Reported: tokens/s and the speed-up
+over ``zero3``; qcoll's byte counters summed over the ranks: inter-node bytes of
+the first forward and per token after it, intra-node bytes per token; inside
+``qcoll-bench cluster`` the bytes that crossed the node links (veth counters, the
+barriers around each window measured alone and subtracted); and whether the
+tokens equal the reference: the unsharded model (fp32) for ``zero3``, for the
+quantized modes the unsharded model loaded with the qwZ-dequantized weights (the
+exported quantized model). ``unsharded tokens/s`` is rank 0 generating alone
+with the plain model, no communication: the compute floor.
+
+JSON (``--json FILE``): ``{"command": "generate", "world", "ranks_per_node", "args",
+"model": {"arch", "params"}, "unsharded_tokens_per_s", "runs": [{"mode", "config",
+"generation_mode", "tokens", "seconds", "tokens_per_s", "speedup_vs_zero3", "forwards",
+"inter_bytes_first_forward", "inter_bytes_per_token_after_first", "intra_bytes_first_forward",
+"intra_bytes_per_token_after_first", "seconds_first_forward", "seconds_per_token_after_first",
+"link_bytes_first_forward", "link_bytes_per_token_after_first", "link_bytes_total",
+"reference", "tokens_match", "output_tokens"}]}`` (``link_*`` null outside a cluster; bytes
+summed over the ranks; ``*_after_first``: mean per forward after the first).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import cli
+from .launch import run_ranks
+from .linkmeter import LinkMeter
+
+NAME = "generate"
+MODES = {
+    "zero3": (False, False),     # (quantized hpZ config, inside generation_mode)
+    "zeropp": (True, False),
+    "zeropp-gen": (True, True),
+}
+ARCHS = ("gpt2", "llama")
+WARMUP_TOKENS = 4
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(NAME, help="greedy generation of a sharded HF decoder: ZeRO-3 vs ZeRO++ generation mode",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--modes", nargs="+", default=["zero3", "zeropp-gen"], choices=list(MODES), metavar="MODE",
+                   help=f"runs, of {' '.join(MODES)} (default zero3 zeropp-gen)")
+    p.add_argument("--weight-bits", type=int, default=8, choices=[8, 6, 4, 2],
+                   help="qwZ weight bits of the zeropp modes (default 8)")
+    p.add_argument("--tokens", type=cli.positive_int, default=64, help="new tokens per timed generation (default 64)")
+    p.add_argument("--prompt-len", type=cli.positive_int, default=16, help="prompt tokens (default 16)")
+    g = p.add_argument_group("model (built from a config, random weights)")
+    g.add_argument("--arch", default="gpt2", choices=ARCHS, help="Hugging Face decoder (default gpt2)")
+    g.add_argument("--layers", type=cli.positive_int, default=4, help="decoder blocks (default 4)")
+    g.add_argument("--d-model", type=cli.positive_int, default=256, help="hidden size (default 256)")
+    g.add_argument("--heads", type=cli.positive_int, default=4, help="attention heads (default 4)")
+    g.add_argument("--vocab", type=cli.positive_int, default=8192, help="vocabulary size (default 8192)")
+    g.add_argument("--seed", type=int, default=0, help="model and prompt seed (default 0)")
+    cli.add_common_options(p, iters=1, warmup=1)
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.plot is not None:
+        parser.error("--plot: generate draws no plot (its figures are in the table and --json)")
+    cli.check_common(parser, args)
+    if args.d_model % args.heads:
+        parser.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
+    if (args.d_model // args.heads) % 2 and args.arch == "llama":
+        parser.error(f"--arch llama needs an even head size; --d-model {args.d_model} / --heads {args.heads} is odd")
+    if args.vocab < 3:
+        parser.error(f"--vocab must be >= 3 (tokens 0 and 1 are reserved), got {args.vocab}")
+    if len(set(args.modes)) != len(args.modes):
+        parser.error(f"--modes lists a mode twice: {' '.join(args.modes)}")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        parser.error("generate needs transformers (pip install transformers, or the test extra)")
+    run_ranks(_rank_main, args, args.nproc, args.ranks_per_node)
+    return 0
+
+
+# ---------------------------------------------------------------------------- model
+def build_model(args):
+    """The plain decoder of the model options (eval mode, fp32), seeded by ``--seed``."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    positions = args.prompt_len + args.tokens + 8
+    torch.manual_seed(args.seed)
+    common = dict(vocab_size=args.vocab, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    if args.arch == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=args.d_model, n_head=args.heads,
+                                      n_positions=positions, **common)
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.LlamaConfig(hidden_size=args.d_model, intermediate_size=4 * args.d_model,
+                                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                       num_key_value_heads=args.heads, max_position_embeddings=positions, **common)
+        model = transformers.LlamaForCausalLM(cfg)
+    return model.eval()
+
+
+def _prompt(args) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    return torch.randint(2, args.vocab, (1, args.prompt_len), generator=gen)
+
+
+def _generate(model, prompt, tokens: int) -> list[int]:
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
+                         min_new_tokens=tokens, do_sample=False)
+    return out[0, prompt.shape[1]:].tolist()
+
+
+def _config(args, mode: str):
+    from .. import zero
+
+    quantized, _ = MODES[mode]
+    return zero.ZeroConfig(weight_bits=args.weight_bits, hpz=True, grad_bits=4) if quantized else zero.ZeroConfig.zero3()
+
+
+def _reference(model, plain, quantized: bool):
+    """The model the tokens are checked against, on rank 0 (None elsewhere; a collective): the
+    unsharded fp32 model, or the quantized model written by ``export_quantized`` and loaded
+    into a plain copy with ``load_quantized``."""
+    from .. import weights, zero
+
+    if not quantized:
+        return plain if dist.get_rank() == 0 else None
+    box = [tempfile.mkdtemp(prefix="qcoll-generate-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box)
+    path = os.path.join(box[0], "model.safetensors")
+    try:
+        zero.export_quantized(model, path)
+        return weights.load_quantized(path, copy.deepcopy(plain)) if dist.get_rank() == 0 else None
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(box[0], ignore_errors=True)
+
+
+class _ForwardMeter:
+    """Bytes and seconds of each call of the sharded model outside ``generation_mode()``, into a
+    :class:`qcoll.zero.GenerationStats` (hooks outside qcoll's own, never-reset byte totals)."""
+
+    def __init__(self, model):
+        from .. import zero
+
+        self.stats = zero.GenerationStats()
+        self._hooks = [model.register_forward_pre_hook(self._pre, prepend=True),
+                       model.register_forward_hook(self._post, always_call=True)]
+
+    def _pre(self, module, args):
+        from ..comm.stats import stats
+
+        self._start = (stats.total_inter_bytes, stats.total_intra_bytes, time.perf_counter())
+
+    def _post(self, module, args, output):
+        from ..comm.stats import stats
+
+        inter, intra, t0 = self._start
+        self.stats._record(stats.total_inter_bytes - inter, stats.total_intra_bytes - intra,
+                           time.perf_counter() - t0, 0)
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+# ---------------------------------------------------------------------------- ranks
+class _Link:
+    """Rank 0's reading of the node links' byte counters around a window (None outside a cluster).
+
+    A barrier first lets what earlier collectives still had on the wire arrive (a rank leaves
+    a collective once its own part is done, while a peer's data may still queue at a shaped
+    link); the counters are then read before the barrier that opens the window and after the
+    one that closes it, so nothing of the window escapes; the two barriers' own bytes,
+    measured alone once, are subtracted. TCP acknowledgements that trail a window by a few
+    milliseconds may still land in the next one (tens of bytes)."""
+
+    def __init__(self, rank: int):
+        self.meter = LinkMeter.from_env() if rank == 0 else None
+        self.overhead = 0
+        dist.barrier()
+        start = self.meter.read() if self.meter is not None else None
+        dist.barrier()
+        dist.barrier()
+        if self.meter is not None:
+            self.overhead = self.meter.read() - start
+
+    @contextlib.contextmanager
+    def window(self):
+        box = {"bytes": None, "seconds": None}
+        dist.barrier()   # earlier traffic has arrived
+        start = self.meter.read() if self.meter is not None else None
+        dist.barrier()
+        t0 = time.perf_counter()
+        yield box
+        seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.barrier()
+        if self.meter is not None:
+            box["bytes"] = self.meter.read() - start - self.overhead
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)   # the slowest rank's
+        box["seconds"] = float(seconds)
+
+
+def _summed(values: list[int]) -> list[int]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return [int(v) for v in t.tolist()]
+
+
+def _run_mode(args, mode: str, topo, plain, prompt, link: _Link, references: dict) -> dict:
+    from .. import zero
+
+    quantized, in_mode = MODES[mode]
+    config = _config(args, mode)
+    model = zero.shard(copy.deepcopy(plain), topo, config)
+    ref_key = ("quantized", config.weight_bits) if quantized else ("fp32",)
+    if ref_key not in references:
+        ref = _reference(model, plain, quantized)
+        tokens = None
+        if topo.rank == 0:
+            with torch.no_grad():
+                tokens = _generate(ref, prompt, args.tokens)
+        references[ref_key] = tokens
+        dist.barrier()
+
+    def scope():
+        return model.generation_mode() if in_mode else contextlib.nullcontext()
+
+    for _ in range(args.warmup):
+        with scope():
+            _generate(model, prompt, min(args.tokens, WARMUP_TOKENS))
+    with link.window() as first, scope():
+        _generate(model, prompt, 1)
+    times, outputs = [], []
+    for _ in range(args.iters):
+        meter = None if in_mode else _ForwardMeter(model)
+        with link.window() as box, scope() as gen:
+            outputs.append(_generate(model, prompt, args.tokens))
+        if meter is not None:
+            meter.remove()
+            gen = meter.stats
+        times.append(box["seconds"])
+    seconds = statistics.median(times)
+    inter = _summed(gen.inter_node_bytes_per_forward)
+    intra = _summed(gen.intra_node_bytes_per_forward)
+    after = max(1, len(inter) - 1)
+    link_total = box["bytes"]
+    link_first = first["bytes"]
+    reference = references[ref_key]
+    return {
+        "mode": mode, "config": {"weight_bits": config.weight_bits, "hpz": config.hpz},
+        "generation_mode": in_mode, "tokens": args.tokens, "seconds": seconds,
+        "tokens_per_s": args.tokens / seconds, "forwards": gen.forwards,
+        "inter_bytes_first_forward": inter[0], "inter_bytes_per_token_after_first": sum(inter[1:]) / after,
+        "intra_bytes_first_forward": intra[0], "intra_bytes_per_token_after_first": sum(intra[1:]) / after,
+        "seconds_first_forward": gen.seconds_per_forward[0],
+        "seconds_per_token_after_first": sum(gen.seconds_per_forward[1:]) / after,
+        "link_bytes_first_forward": link_first,
+        "link_bytes_per_token_after_first": (None if link_total is None else
+                                             (link_total - link_first) / after),
+        "link_bytes_total": link_total,
+        "reference": "exported quantized model" if quantized else "unsharded fp32 model",
+        "tokens_match": None if reference is None else all(o == reference for o in outputs),
+        "output_tokens": outputs[-1],
+    }
+
+
+def _rank_main(args) -> None:
+    from ..comm import Topology
+
+    topo = Topology(args.ranks_per_node)
+    plain = build_model(args)
+    prompt = _prompt(args)
+    link = _Link(topo.rank)
+    references, unsharded_tps = {}, None
+    if topo.rank == 0:   # the fp32 reference, and the compute floor: rank 0 alone, no communication
+        with torch.no_grad():
+            _generate(plain, prompt, min(args.tokens, WARMUP_TOKENS))
+            t0 = time.perf_counter()
+            references[("fp32",)] = _generate(plain, prompt, args.tokens)
+            unsharded_tps = args.tokens / (time.perf_counter() - t0)
+    else:
+        references[("fp32",)] = None
+    dist.barrier()
+    runs = []
+    for mode in args.modes:
+        if topo.rank == 0:
+            print(f"... {mode}", flush=True)
+        runs.append(_run_mode(args, mode, topo, plain, prompt, link, references))
+    base = next((r for r in runs if r["mode"] == "zero3"), None)
+    for r in runs:
+        r["speedup_vs_zero3"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
+    if topo.rank != 0:
+        return
+    params = sum(p.numel() for p in plain.parameters())
+    print(format_table(runs, unsharded_tps, args, params, topo), flush=True)
+    if args.json:
+        cli.write_json(args.json, {
+            "command": NAME, "world": topo.world_size, "ranks_per_node": topo.ranks_per_node,
+            "args": {k: getattr(args, k) for k in ("modes", "weight_bits", "tokens", "prompt_len", "arch", "layers",
+                                                    "d_model", "heads", "vocab", "seed", "warmup", "iters")},
+            "model": {"arch": args.arch, "params": params}, "unsharded_tokens_per_s": unsharded_tps, "runs": runs})
+
+
+def _num(v, fmt: str = ".0f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def format_table(runs: list[dict], unsharded_tps, args, params: int, topo) -> str:
+    linked = any(r["link_bytes_total"] is not None for r in runs)
+    head = (f"{'mode':>10} {'bits':>4} {'tokens/s':>9} {'vs zero3':>8} {'fwd1 s':>7} {'s/token':>8} "
+            f"{'inter fwd1':>11} {'inter/tok':>10} {'intra/tok':>10}")
+    if linked:
+        head += f" {'link fwd1':>10} {'link/tok':>9}"
+    head += f" {'tokens':>7}"
+    lines = [f"greedy generation of {args.tokens} tokens, {args.arch} {args.layers}x{args.d_model} "
+             f"({params / 1e6:.2f} M params), {topo.world_size} ranks = {topo.num_nodes} nodes x "
+             f"{topo.ranks_per_node}; bytes summed over ranks; /tok: mean per token after the first", head]
+    for r in runs:
+        line = (f"{r['mode']:>10} {r['config']['weight_bits'] or 32:>4} {r['tokens_per_s']:>9.2f} "
+                f"{_num(r['speedup_vs_zero3'], '.2f'):>8} {r['seconds_first_forward']:>7.3f} "
+                f"{r['seconds_per_token_after_first']:>8.4f} {r['inter_bytes_first_forward']:>11} "
+                f"{_num(r['inter_bytes_per_token_after_first']):>10} {_num(r['intra_bytes_per_token_after_first']):>10}")
+        if linked:
+            line += f" {_num(r['link_bytes_first_forward']):>10} {_num(r['link_bytes_per_token_after_first']):>9}"
+        match = {True: "same", False: "DIFFER", None: "-"}[r["tokens_match"]]
+        line += f" {match:>7}"
+        lines.append(line)
+    lines.append(f"unsharded model, rank 0 alone (no communication): {_num(unsharded_tps, '.2f')} tokens/s; "
+                 "tokens compared with the unsharded fp32 model (zero3) or the exported quantized model (zeropp)")
+    return "\n".join(lines)

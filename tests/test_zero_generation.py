@@ -1,0 +1,283 @@
+"""``ZeroModule.generation_mode()``: hpZ secondary shards kept across the forwards of
+Hugging Face ``generate`` on a ZeRO-3-sharded tiny GPT-2 (4 gloo ranks as 2 nodes x 2).
+
+Oracles, none produced by the code under test: the unsharded model's greedy tokens
+(ZeRO-3 config); the same sharded model generating without the mode, and an unsharded
+copy loaded with the qwZ-dequantized weights (ZeRO++ config); the bytes per forward of
+the mode-less run, counted by hooks of the test's own around each forward; training
+losses of a twin model that never entered the mode.
+"""
+import copy
+
+import pytest
+import torch
+
+import qcoll
+from qcoll import zero
+from qcoll.comm import all_gather_quantized
+from qcoll.comm.stats import stats
+
+pytest.importorskip("transformers", reason="transformers is a test extra (pip install -e '.[test]')")
+
+PROMPT = [[5, 17, 3, 42, 8]]
+NEW = 6
+TIMEOUT = 60
+
+
+def _tiny_gpt2(seed=0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=48, bos_token_id=0, eos_token_id=1,
+                     pad_token_id=1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # no dropout: runs compare
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def _generate(model, new=NEW):
+    return model.generate(torch.tensor(PROMPT), max_new_tokens=new, min_new_tokens=new, do_sample=False).tolist()
+
+
+class ForwardBytes:
+    """The test's own meter: (inter, intra) bytes of each call of ``model``, from the
+    never-reset totals of qcoll.comm.stats, read by hooks outside every qcoll hook."""
+
+    def __init__(self, model):
+        self.per_forward = []
+        self._hooks = [model.register_forward_pre_hook(self._pre, prepend=True),
+                       model.register_forward_hook(self._post, always_call=True)]
+
+    def _pre(self, module, args):
+        self._start = (stats.total_inter_bytes, stats.total_intra_bytes)
+
+    def _post(self, module, args, output):
+        self.per_forward.append((stats.total_inter_bytes - self._start[0], stats.total_intra_bytes - self._start[1]))
+
+    def remove(self):
+        for h in self._hooks:
+            h.remove()
+
+
+def _held(model) -> list:
+    return [g.index for g in zero.state_of(model).groups if g.secondary is not None and g.secondary.data is not None]
+
+
+def _quantized_copy(plain, sharded, bits, block):
+    """An unsharded copy of ``plain`` whose weights are the qwZ-dequantized values every rank
+    gathers (an all-gather of the master shards outside the model's hooks)."""
+    ref = copy.deepcopy(plain)
+    named = dict(ref.named_parameters(remove_duplicate=False))
+    params_of = {id(p): n for n, p in sharded.named_parameters(remove_duplicate=False)}
+    with torch.no_grad():
+        for g in zero.state_of(sharded).groups:
+            full = torch.empty(g.topology.world_size * g.shard_numel)
+            all_gather_quantized(full, g.master.detach(), bits=bits, block_size=block)
+            for p, off, n, shape in zip(g.params, g.offsets, g.numels, g.shapes):
+                named[params_of[id(p)]].copy_(full[off:off + n].view(shape))
+    return ref
+
+
+# ---------------------------------------------------------------------------- (a) ZeRO-3 config
+def _zero3_tokens(rank, world):
+    plain = _tiny_gpt2()
+    want = _generate(plain)
+    model = zero.shard(copy.deepcopy(plain), qcoll.Topology(2), zero.ZeroConfig.zero3())
+    meter = ForwardBytes(model)
+    plain_run = _generate(model)
+    without = list(meter.per_forward)
+    meter.per_forward.clear()
+    with model.generation_mode() as gen:
+        got = _generate(model)
+    meter.remove()
+    return want, got, plain_run, without, meter.per_forward, gen.inter_node_bytes_per_forward, gen.forwards
+
+
+def test_zero3_config_in_generation_mode_gives_the_unsharded_tokens(ranks4):
+    """Without hpZ there is nothing to keep: the mode gathers over the world as usual (and counts it)."""
+    for want, got, plain_run, without, within, gen_inter, forwards in ranks4.run(_zero3_tokens, timeout=TIMEOUT):
+        assert got == want and plain_run == want
+        assert forwards == NEW == len(within)
+        assert within == without                       # the same bytes as without the mode, every forward
+        assert gen_inter == [b[0] for b in within] and all(b > 0 for b in gen_inter)
+
+
+# ---------------------------------------------------------------------------- (b) ZeRO++ config
+def _zeropp_tokens(rank, world, bits):
+    plain = _tiny_gpt2()
+    cfg = zero.ZeroConfig(weight_bits=bits, hpz=True, grad_bits=4)
+    model = zero.shard(copy.deepcopy(plain), qcoll.Topology(2), cfg)
+    exported = _generate(_quantized_copy(plain, model, bits, cfg.weight_block))
+    unquantized = _generate(plain)
+    meter = ForwardBytes(model)
+    without = _generate(model)
+    bytes_without = list(meter.per_forward)
+    meter.per_forward.clear()
+    with model.generation_mode() as gen:
+        within = _generate(model)
+        secondary_inside = zero.memory_report(model)["secondary"]
+    meter.remove()
+    return (within, without, exported, unquantized, bytes_without, meter.per_forward,
+            gen.inter_node_bytes_per_forward, gen.intra_node_bytes_per_forward, secondary_inside, gen.summary())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_zeropp_generation_mode_keeps_the_secondaries_and_stays_in_the_node(ranks4, bits):
+    for (within, without, exported, unquantized, bytes_without, bytes_within, gen_inter, gen_intra, secondary,
+         summary) in ranks4.run(_zeropp_tokens, bits, timeout=TIMEOUT):
+        assert within == without == exported           # the same quantized weights in every forward
+        if bits == 4:
+            assert within != unquantized, "4-bit weights should change some token of this tiny model"
+        assert len(bytes_without) == len(bytes_within) == NEW
+        assert all(inter > 0 for inter, _ in bytes_without)  # without the mode: every forward crosses nodes
+        assert bytes_within[0] == bytes_without[0]           # the first forward: the same qwZ all-gather
+        assert [inter for inter, _ in bytes_within[1:]] == [0] * (NEW - 1)
+        assert all(intra > 0 for _, intra in bytes_within[1:])  # replica_gather inside the node
+        assert gen_inter == [b[0] for b in bytes_within] and gen_intra == [b[1] for b in bytes_within]
+        assert secondary > 0
+        assert summary["inter_node_bytes_per_forward_after_first"] == 0 and summary["forwards"] == NEW
+
+
+# ---------------------------------------------------------------------------- (c) released on exit
+class Boom(Exception):
+    pass
+
+
+def _released(rank, world):
+    model = zero.shard(_tiny_gpt2(), qcoll.Topology(2), zero.ZeroConfig())
+    groups = zero.state_of(model).groups
+    out = {}
+    with model.generation_mode():
+        _generate(model, 2)
+        out["inside"] = _held(model)
+    out["after"] = _held(model)
+    out["after_bytes"] = zero.memory_report(model)["secondary"]
+    with pytest.raises(Boom):
+        with model.generation_mode():
+            _generate(model, 2)
+            raise Boom()
+    out["after_raise"] = _held(model)
+    # a forward that raises inside a unit, in the mode
+    block = model.transformer.h[1]
+    calls = []
+
+    def fail_third(module, args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise Boom()
+
+    h = block.register_forward_pre_hook(fail_third)
+    with pytest.raises(Boom):
+        with model.generation_mode():
+            _generate(model, 4)
+    h.remove()
+    out["after_forward_raise"] = _held(model)
+    out["flags"] = [g.hold_secondary for g in groups]
+    out["gathered"] = sum(g.gathered_nbytes() for g in groups)
+    meter = ForwardBytes(model)  # afterwards: the usual mode-less gathers, over the world
+    out["tokens_after"] = _generate(model, 3)
+    meter.remove()
+    out["bytes_after"] = meter.per_forward
+    out["groups"] = len(groups)
+    return out
+
+
+def test_secondaries_are_released_on_exit_and_when_the_block_raises(ranks4):
+    for out in ranks4.run(_released, timeout=TIMEOUT):
+        assert sorted(out["inside"]) == list(range(out["groups"]))  # every group, frozen or not, kept one
+        assert out["after"] == [] and out["after_bytes"] == 0
+        assert out["after_raise"] == [] and out["after_forward_raise"] == []
+        assert not any(out["flags"]) and out["gathered"] == 0
+        assert all(inter > 0 for inter, _ in out["bytes_after"])
+
+
+# ---------------------------------------------------------------------------- (d) training after the mode
+def _train(rank, world, use_mode):
+    torch.manual_seed(1)
+    x = torch.randint(2, 96, (2, 12))
+    model = zero.shard(_tiny_gpt2().train(), qcoll.Topology(2), zero.ZeroConfig())
+    opt = zero.Optimizer(model, torch.optim.SGD, lr=0.5)
+    losses, inter = [], []
+
+    def step(generate_before_backward):
+        loss = model(x, labels=x).loss
+        if generate_before_backward:  # a backward is pending: its secondaries are set aside meanwhile
+            with model.generation_mode():
+                _generate(model, 3)
+        before = stats.total_inter_bytes
+        loss.backward()
+        inter.append(stats.total_inter_bytes - before)  # the backward's node-local weight gathers + qgZ
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+
+    step(False)
+    if use_mode:
+        with model.generation_mode():
+            _generate(model, 3)
+    step(use_mode)
+    step(False)
+    return losses, inter, _held(model)
+
+
+def test_training_after_generation_mode_is_unchanged(ranks4):
+    """A twin that never entered the mode trains to the same losses, bit for bit; a backward that
+    was pending while the mode ran still gathers inside the node (the same inter-node bytes)."""
+    plain = ranks4.run(_train, False, timeout=TIMEOUT)
+    moded = ranks4.run(_train, True, timeout=TIMEOUT)
+    for (lp, ip, hp), (lm, im, hm) in zip(plain, moded):
+        assert lm == lp
+        assert im == ip
+        assert hp == hm == []
+
+
+# ---------------------------------------------------------------------------- (e) misuse and an optimizer step
+def _misuse(rank, world):
+    torch.manual_seed(1)
+    x = torch.randint(2, 96, (2, 12))
+    model = zero.shard(_tiny_gpt2(), qcoll.Topology(2), zero.ZeroConfig())
+    opt = zero.Optimizer(model, torch.optim.SGD, lr=0.5)
+    out = {}
+    with model.generation_mode() as gen:
+        with pytest.raises(RuntimeError, match="does not nest"):
+            with model.generation_mode():
+                pass
+        _generate(model, 2)
+        out["still_held"] = bool(_held(model))
+        with torch.enable_grad():
+            loss = model(x, labels=x).loss
+        with pytest.raises(RuntimeError, match="backward inside generation_mode"):
+            loss.backward()
+    out["nested_ok"] = gen.forwards == 3
+    out["held_after"] = _held(model)
+
+    def enter_inside(module, args):
+        with model.generation_mode():
+            pass
+
+    h = model.transformer.h[0].register_forward_pre_hook(enter_inside)
+    with pytest.raises(RuntimeError, match="inside a forward"):
+        _generate(model, 1)
+    h.remove()
+
+    # an optimizer step inside the mode: the kept shards are stale and gathered again
+    model(x, labels=x).loss.backward()
+    with model.generation_mode() as gen:
+        before_step = _generate(model, 2)
+        opt.step()
+        opt.zero_grad()
+        after_step = _generate(model, 3)
+    out["refreshed"] = gen.refreshed
+    out["inter"] = gen.inter_node_bytes_per_forward
+    out["before_step"] = before_step
+    out["after_step"] = after_step
+    out["after_step_without_mode"] = _generate(model, 3)
+    return out
+
+
+def test_misuse_is_a_clear_error_and_an_optimizer_step_refreshes_the_secondaries(ranks4):
+    for out in ranks4.run(_misuse, timeout=TIMEOUT):
+        assert out["still_held"] and out["nested_ok"] and out["held_after"] == []
+        # 2 forwards before the step, 3 after: the first after the step crosses nodes again
+        inter = out["inter"]
+        assert inter[0] > 0 and inter[1] == 0 and inter[2] == inter[0] and inter[3:] == [0, 0], inter
+        assert out["refreshed"] > 0
+        assert out["after_step"] == out["after_step_without_mode"]
