@@ -73,8 +73,16 @@ def _entry(rank, world, port, ranks_per_node, fn, args, addr):
                             timeout=datetime.timedelta(seconds=300))
     try:
         fn(args)
+        _settle()
     finally:
         dist.destroy_process_group()
+
+
+def _settle() -> None:
+    """Wait until every rank is done before any tears its process group down: a rank that
+    destroys it (and exits) while a peer's gloo threads still talk to it can make that peer
+    die in ``std::terminate`` ("terminate called without an active exception")."""
+    dist.barrier()
 
 
 def _stop(processes) -> None:
@@ -144,6 +152,7 @@ def run_ranks(fn, args, nproc: int | None, ranks_per_node: int, addr: str = "127
         dist.init_process_group("gloo")
         try:
             fn(args)
+            _settle()
         finally:
             dist.destroy_process_group()
         return
