@@ -46,6 +46,14 @@ def test_argument_errors_exit_2_with_one_line(extra, message, capsys):
     assert len(err) == 1 and err[0].startswith("qcoll-bench generate: error:") and message in err[0], err
 
 
+def _aligned_shard(numels: list[int]) -> int:
+    """Shard size of a group with quantized weights: each parameter starts on a block boundary
+    (DESIGN.md), and each rank's shard is a whole number of blocks."""
+    blocks = lambda n: -(-n // BLOCK)  # noqa: E731
+    end = sum(blocks(n) * BLOCK for n in numels[:-1]) + numels[-1]
+    return blocks(-(-end // W)) * BLOCK
+
+
 def _packed(n: int, bits: int) -> int:
     return math.ceil(n / BLOCK) * (BLOCK * bits // 8 + 4)
 
@@ -76,14 +84,17 @@ def test_small_run_matches_the_unsharded_model_and_the_byte_rule(tmp_path):
     assert runs["zeropp-gen"]["output_tokens"] == runs["zeropp"]["output_tokens"]
 
     # groups: one per GPT2Block, the root takes the rest (wte, wpe, ln_f; lm_head is tied to wte)
-    blocks = [sum(q.numel() for q in b.parameters()) for b in plain.transformer.h]
-    sizes = blocks + [sum(q.numel() for q in plain.parameters()) - sum(blocks)]
-    shards = [-(-n // W) for n in sizes]
+    in_blocks = {id(q) for b in plain.transformer.h for q in b.parameters()}
+    groups = [[q.numel() for q in b.parameters()] for b in plain.transformer.h]
+    groups.append([q.numel() for q in plain.parameters() if id(q) not in in_blocks])
+    shards = [-(-sum(g) // W) for g in groups]
+    # quantized weights: each parameter starts on a block boundary and a shard is whole blocks
+    aligned = [_aligned_shard(g) for g in groups]
     # summed over the W ranks: an all-gather over the world (spans nodes) counts (W-1) x own buffer per rank
     zero3_inter = W * (W - 1) * 4 * sum(shards)
-    qwz_inter = W * (W - 1) * sum(HEADER + _packed(s, 8) for s in shards)
+    qwz_inter = W * (W - 1) * sum(HEADER + _packed(s, 8) for s in aligned)
     # replica_gather: (L-1) x the N kept frames, node-local
-    hpz_intra = W * (L - 1) * N * sum(HEADER + _packed(s, 8) for s in shards)
+    hpz_intra = W * (L - 1) * N * sum(HEADER + _packed(s, 8) for s in aligned)
     z3, zpp, gen = runs["zero3"], runs["zeropp"], runs["zeropp-gen"]
     assert z3["inter_bytes_first_forward"] == z3["inter_bytes_per_token_after_first"] == zero3_inter
     assert zpp["inter_bytes_first_forward"] == zpp["inter_bytes_per_token_after_first"] == qwz_inter
