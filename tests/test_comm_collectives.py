@@ -184,6 +184,62 @@ def test_reduce_scatter_nan_reaches_owner_block(ranks4):
 
 
 # ---------------------------------------------------------------- byte accounting
+def qgz_two_stage(world, L, S, block, intra, inter, seed=0):
+    """What qgZ with ``bits=(intra, inter)`` must give every rank, bit for bit: the reference
+    codec composed rank by rank in one process (swizzle-quantize, hop 1 to the node's ranks,
+    dequantize-sum-requantize of each node's partial sums, hop 2 to the nodes, final sum)."""
+    from qcoll.quant import reference as ref
+    N = world // L
+    b1 = intra if L > 1 else inter          # hop 1 runs only with several ranks per node
+    b2 = inter if N > 1 else b1             # hop 2 only with several nodes
+    q1 = [ref.swizzle_quantize(shard_of(r, world * S, seed), N, L, b1, block) for r in range(world)]
+    results = []
+    for dst in range(world):
+        n, l = divmod(dst, L)
+        if N == 1:                          # the node's ranks' slices for local rank l
+            got = torch.stack([q1[j][l:l + 1] for j in range(L)])
+        else:
+            per_node = []
+            for m in range(N):              # node m's partial sum of slice (n, l), requantized to b2
+                slices = torch.stack([q1[m * L + j][l * N:(l + 1) * N] for j in range(L)])
+                q2 = slices[0] if L == 1 else ref.reduce_requantize(slices, S, b1, block, b2, block)
+                per_node.append(q2[n:n + 1])
+            got = torch.stack(per_node)
+        results.append(ref.dequantize_reduce(got, S, b2, block)[0] / world)
+    return results
+
+
+def _qgz_per_hop(rank, world, L, intra, inter):
+    topo = qcoll.Topology(L)
+    S, block = 700, 128
+    x = shard_of(rank, world * S)
+    out, same_width = torch.empty(S), torch.empty(S)
+    stats.reset()
+    qcoll.reduce_scatter_quantized(out, x, bits=(intra, inter), block_size=block, topology=topo, op="avg")
+    intra_bytes, inter_bytes = stats.stats.intra_bytes, stats.stats.inter_bytes
+    qcoll.reduce_scatter_quantized(same_width, x, bits=(intra, intra), block_size=block, topology=topo, op="avg")
+    plain = torch.empty(S)
+    qcoll.reduce_scatter_quantized(plain, x, bits=intra, block_size=block, topology=topo, op="avg")
+    return out, intra_bytes, inter_bytes, bool(torch.equal(same_width, plain))
+
+
+@pytest.mark.parametrize("L", [2, 4, 1])
+@pytest.mark.parametrize("intra,inter", [(8, 4), (4, 2)])
+def test_per_hop_bits_equal_the_two_stage_reference(ranks4, L, intra, inter):
+    world, S, block = 4, 700, 128
+    N = world // L
+    expected = qgz_two_stage(world, L, S, block, intra, inter)
+    for rank, (out, intra_bytes, inter_bytes, same_width_is_plain) in enumerate(ranks4.run(_qgz_per_hop, L, intra,
+                                                                                                 inter)):
+        assert torch.equal(out, expected[rank]), (rank, (out - expected[rank]).abs().max())
+        assert same_width_is_plain
+        # each hop's frames carry its own width
+        b1 = intra if L > 1 else inter
+        b2 = inter if N > 1 else b1
+        assert intra_bytes == (L - 1) * (HEADER + N * qcoll.quant.packed_nbytes(S, b1, block))
+        assert inter_bytes == (N - 1) * (HEADER + qcoll.quant.packed_nbytes(S, b2, block))
+
+
 def _bytes(rank, world):
     topo = qcoll.Topology(2)
     N, L = topo.num_nodes, topo.ranks_per_node

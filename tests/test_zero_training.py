@@ -210,3 +210,9 @@ def test_bytes_per_step_follow_the_design(ranks4):
         assert z3[r][:2] == (0, want_z3)
         assert zpp[r][:2] == (want_intra, want_inter)
     assert zpp[0][1] / z3[0][1] <= 0.25
+    # per-hop gradient bits (8, 4): hop 1 inside the node at 8 bits, hop 2 across nodes at 4
+    hop = ranks4.run(_bytes_per_step, zero.ZeroConfig(grad_bits=(8, 4)), timeout=60)
+    g8 = [packed_nbytes(S, 8, 128) for S in shards]
+    want_intra_hop = sum((L - 1) * N * (H + a) + (L - 1) * (H + N * c) for a, c in zip(p8, g8))
+    for r in range(W):
+        assert hop[r][:2] == (want_intra_hop, want_inter)

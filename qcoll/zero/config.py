@@ -21,7 +21,9 @@ class ZeroConfig:
     ``weight_bits``: qwZ bits of the forward (and, without hpZ, backward) weight
     all-gather, ``None`` for the unquantized gather. ``hpz``: keep a node-local
     secondary shard so the backward gather stays inside the node. ``grad_bits``:
-    qgZ bits of the gradient reduce-scatter, ``None`` for ``reduce_scatter_tensor``.
+    qgZ bits of the gradient reduce-scatter, ``None`` for ``reduce_scatter_tensor``, or a
+    pair ``(intra, inter)``: each hop's width (e.g. ``(8, 4)``: 8-bit inside the node,
+    4-bit across nodes, as SDP4Bit).
     ``weight_block`` / ``grad_block``: quantization block sizes.
     ``stochastic_grad_rounding``: stochastic rounding of gradients (seeded by the
     step, the unit and the rank: reproducible). ``prefetch``: how many units ahead
@@ -34,7 +36,7 @@ class ZeroConfig:
 
     weight_bits: int | None = 8
     hpz: bool = True
-    grad_bits: int | None = 4
+    grad_bits: int | tuple[int, int] | None = 4
     weight_block: int = fmt.DEFAULT_WEIGHT_BLOCK
     grad_block: int = fmt.DEFAULT_GRAD_BLOCK
     stochastic_grad_rounding: bool = False
@@ -44,7 +46,14 @@ class ZeroConfig:
     def __post_init__(self):
         if self.weight_bits is not None:
             fmt.check_bits(self.weight_bits, "weight_bits")
-        if self.grad_bits is not None:
+        if isinstance(self.grad_bits, (tuple, list)):
+            if len(self.grad_bits) != 2:
+                raise ValueError(f"grad_bits must be an int, None or a pair (intra-node bits, inter-node bits), "
+                                 f"got {self.grad_bits!r}")
+            pair = (fmt.check_bits(self.grad_bits[0], "grad_bits[0] (intra-node)"),
+                    fmt.check_bits(self.grad_bits[1], "grad_bits[1] (inter-node)"))
+            object.__setattr__(self, "grad_bits", pair)
+        elif self.grad_bits is not None:
             fmt.check_bits(self.grad_bits, "grad_bits")
         fmt.check_block_size(self.weight_block, "weight_block")
         fmt.check_block_size(self.grad_block, "grad_block")
