@@ -459,3 +459,22 @@ def test_topology_of_a_destroyed_process_group_is_a_clear_error():
     kind, msg = msgs["all_gather group"]
     assert kind == "ValueError" and msg.startswith("group <") and "destroyed" in msg, msgs
     assert msgs["new topology"] == pytest.approx((2.0, 2.0), rel=1e-6)
+
+
+# ---------------------------------------------------------------- a rank that rotates alone
+def _rotation_mismatch(rank, world):
+    topo = qcoll.Topology(2)
+    x = torch.randn(world * 256, generator=torch.Generator().manual_seed(rank))
+    out = torch.empty(256)
+    kind, seconds, msg = _outcome(lambda: qcoll.reduce_scatter_quantized(out, x, topology=topo,
+                                                                         hadamard=rank == 3))
+    return kind, msg, _still_in_step(rank, world)
+
+
+def test_a_rank_rotating_alone_makes_every_rank_raise(ranks4):
+    outcomes = ranks4.run(_rotation_mismatch, timeout=60)
+    for rank, (kind, msg, in_step) in enumerate(outcomes):
+        assert kind == "mismatch", (rank, kind, msg)
+        assert in_step
+    msg = outcomes[2][1]  # rank 3's node peer names the flag
+    assert "rotated=True (rank 2 has False)" in msg and "hadamard" in msg, msg

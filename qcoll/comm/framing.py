@@ -27,6 +27,7 @@ HEADER_BYTES = 16
 MAGIC = b"qZ"
 VERSION = 1
 FLAG_POISONED = 0x01
+FLAG_ROTATED = 0x02
 MAX_NUMEL = 2**48 - 1
 _PREFIX = struct.Struct("<2sBBBB6s")   # magic, version, flags, bits, log2(block_size), numel (u48)
 _CHECK = struct.Struct("<I")
@@ -43,19 +44,22 @@ def check_value(prefix: bytes) -> int:
 @dataclass(frozen=True)
 class Header:
     """What one frame says about the packed rows behind it: ``bits``, ``block_size``,
-    ``numel`` (elements per row) and whether the sender marked it poisoned (it had
-    received mismatching data earlier in the same collective; the payload is void)."""
+    ``numel`` (elements per row), whether the sender marked it poisoned (it had
+    received mismatching data earlier in the same collective; the payload is void) and
+    whether the values are Hadamard-rotated (qgZ's ``hadamard=True``)."""
 
     bits: int
     block_size: int
     numel: int
     poisoned: bool = False
+    rotated: bool = False
 
     def to_bytes(self) -> bytes:
         if not 0 <= self.numel <= MAX_NUMEL:
             raise ValueError(f"numel must be in [0, 2**48) to be framed, got {self.numel}")
         log2 = self.block_size.bit_length() - 1
-        prefix = _PREFIX.pack(MAGIC, VERSION, FLAG_POISONED if self.poisoned else 0, self.bits, log2,
+        flags = (FLAG_POISONED if self.poisoned else 0) | (FLAG_ROTATED if self.rotated else 0)
+        prefix = _PREFIX.pack(MAGIC, VERSION, flags, self.bits, log2,
                               self.numel.to_bytes(6, "little"))
         return prefix + _CHECK.pack(check_value(prefix))
 
@@ -71,9 +75,10 @@ class Header:
             raise ValueError("check value does not match the header's fields")
         if version != VERSION:
             raise ValueError(f"version {version}, this qcoll reads version {VERSION}")
-        if bits not in fmt.VALID_BITS or not fmt.MIN_BLOCK <= 1 << log2 <= fmt.MAX_BLOCK or flags & ~FLAG_POISONED:
+        if bits not in fmt.VALID_BITS or not fmt.MIN_BLOCK <= 1 << log2 <= fmt.MAX_BLOCK or flags & ~(FLAG_POISONED | FLAG_ROTATED):
             raise ValueError(f"fields out of range (flags={flags}, bits={bits}, log2(block_size)={log2})")
-        return cls(bits, 1 << log2, int.from_bytes(numel, "little"), bool(flags & FLAG_POISONED))
+        return cls(bits, 1 << log2, int.from_bytes(numel, "little"), bool(flags & FLAG_POISONED),
+                   bool(flags & FLAG_ROTATED))
 
     def poison(self) -> "Header":
         return replace(self, poisoned=True)
@@ -83,7 +88,8 @@ class Header:
         return rows * fmt.packed_nbytes(self.numel, self.bits, self.block_size)
 
     def describe(self) -> str:
-        return f"bits={self.bits}, block_size={self.block_size}, numel={self.numel}"
+        rotated = ", hadamard" if self.rotated else ""
+        return f"bits={self.bits}, block_size={self.block_size}, numel={self.numel}{rotated}"
 
 
 @dataclass(frozen=True)
@@ -214,7 +220,7 @@ def _mismatch(heads: torch.Tensor, expected: Header, r: Receipt) -> RankMismatch
             f"collective (its own error names the rank that disagreed){more}. Nothing was decoded. {_ADVICE}",
             r.op, r.rank, peer, expected, got)
     fields = [f"{f}={getattr(got, f)} (rank {r.rank} has {getattr(expected, f)})"
-              for f in ("bits", "block_size", "numel") if getattr(got, f) != getattr(expected, f)]
+              for f in ("bits", "block_size", "numel", "rotated") if getattr(got, f) != getattr(expected, f)]
     sizes = ""
     if got.payload_nbytes(r.rows) != expected.payload_nbytes(r.rows):
         sent, want_n = HEADER_BYTES + got.payload_nbytes(r.rows), HEADER_BYTES + expected.payload_nbytes(r.rows)

@@ -80,6 +80,7 @@ def reduce_scatter_quantized(
     num_chunks: int = 1,
     async_op: bool = False,
     similarity: torch.Tensor | None = None,
+    hadamard: bool = False,
 ):
     """Reduce-scatter ``input`` over the world with quantized 2-hop all-to-all (qgZ).
 
@@ -91,7 +92,11 @@ def reduce_scatter_quantized(
     ``bits=(intra, inter)`` sets each hop's width: hop 1 sends ``intra``-bit codes, the
     partial sums are requantized to ``inter`` bits for hop 2 (with one rank per node
     only hop 2 runs, at ``inter``; with one node only hop 1, at ``intra``). An int is both.
-    ``op="avg"`` divides by the world size. ``num_chunks > 1`` pipelines hop 2 of
+    ``op="avg"`` divides by the world size. ``hadamard=True`` rotates every full block of
+    each destination slice with the orthonormal Walsh-Hadamard matrix before the first
+    quantization and rotates the reduced slice back (docs/FORMAT.md "Rotation"): the
+    blocks' outliers are spread, so their scales shrink; the frames say so (a rank that
+    disagrees raises). Needs ``bits``. ``num_chunks > 1`` pipelines hop 2 of
     chunk ``k`` with hop 1 of chunk ``k+1`` (bit-identical results). ``bits=None``
     is the unquantized ``reduce_scatter_tensor`` baseline over the world.
     ``stochastic`` rounds stochastically with ``seed`` mixed with the rank.
@@ -133,6 +138,10 @@ def reduce_scatter_quantized(
         raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
     if not isinstance(stochastic, bool):
         raise TypeError(f"stochastic must be a bool, got {stochastic!r}")
+    if not isinstance(hadamard, bool):
+        raise TypeError(f"hadamard must be a bool, got {hadamard!r}")
+    if hadamard and bits is None:
+        raise ValueError("hadamard=True needs quantized gradients (bits is None)")
     fmt.check_seed(seed)
     W = topology.world_size
     S = output.numel()
@@ -145,7 +154,10 @@ def reduce_scatter_quantized(
         return _plain_two_hop(output, input, topology, op == "avg", similarity, async_op)
     if bits is None:
         return _baseline(output, input, W, op, async_op)
-    call = _Qgz(output, input, hop_bits, block_size, topology, op == "avg", stochastic, seed, num_chunks, similarity)
+    if hadamard:
+        input = rows.hadamard_rows(input.reshape(W, S), block_size)
+    call = _Qgz(output, input, hop_bits, block_size, topology, op == "avg", stochastic, seed, num_chunks, similarity,
+                hadamard)
     return finish(call.complete, async_op, "qcoll::qgZ")
 
 
@@ -159,8 +171,8 @@ class _Qgz:
     """
 
     def __init__(self, output, input, hop_bits, block_size, topology, average, stochastic, seed, num_chunks,
-                 similarity=None):
-        self.t, self.block_size, self.average = topology, block_size, average
+                 similarity=None, rotated=False):
+        self.t, self.block_size, self.average, self.rotated = topology, block_size, average, rotated
         self.similarity = similarity
         self.stochastic = stochastic
         self.seed = rank_seed(seed, topology.rank) if stochastic else 0
@@ -185,7 +197,7 @@ class _Qgz:
 
     def _header(self, k: int, hop: int) -> framing.Header:
         a, b = self.chunks[k]
-        return framing.Header(self.bits1 if hop == 1 else self.bits2, self.block_size, b - a)
+        return framing.Header(self.bits1 if hop == 1 else self.bits2, self.block_size, b - a, rotated=self.rotated)
 
     def _hop1(self, k: int):
         """Reorder and quantize chunk ``k``, send each local peer its N slices; (recv, work)."""
@@ -240,7 +252,9 @@ class _Qgz:
 
     def complete(self):
         """Wait for every hop, reduce each chunk into the output; raise the first mismatch."""
-        out_flat = self.output.view(-1)
+        # rotated: reduce into fp32, rotate back, then round once to the output's dtype
+        out_flat = self.output.view(-1) if not self.rotated else torch.empty(
+            self.output.numel(), dtype=torch.float32, device=self.output.device)
         for k, (a, b) in enumerate(self.chunks):
             recv, work = self.second[k]
             got = recv if work is None else self._received(k, 2, recv, work, (self.N, 1, -1))
@@ -254,6 +268,8 @@ class _Qgz:
             out_flat[a:b].copy_(total)
         if self.failures:
             raise self.failures[0]
+        if self.rotated:  # the sum of rotated slices is the rotated sum: rotate it back
+            self.output.view(1, -1).copy_(rows.hadamard_rows(out_flat.view(1, -1), self.block_size))
         return self.output
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import hadamard, reference
 from .backend import kernels, use_cuda
 
 
@@ -50,3 +50,8 @@ def reduce_requantize(bufs, n, bits_in, block_in, bits_out, block_out, stochasti
     if use_cuda(bufs):
         return kernels().reduce_requantize(bufs, n, bits_in, block_in, bits_out, block_out, stochastic, seed, offset)
     return reference.reduce_requantize(bufs, n, bits_in, block_in, bits_out, block_out, stochastic, seed, offset)
+
+
+def hadamard_rows(x, block_size) -> torch.Tensor:
+    """fp32 ``[rows, n]``: every full block of each row Hadamard-rotated (self-inverse)."""
+    return hadamard.hadamard_rows(x, block_size)
