@@ -22,6 +22,8 @@ def test_defaults_are_zeropp():
     ({"weight_bits": 3}, ValueError, "weight_bits"),
     ({"grad_bits": "4"}, TypeError, "grad_bits"),
     ({"grad_bits": (8,)}, ValueError, "pair"),
+    ({"grad_hadamard": 1}, TypeError, "grad_hadamard"),
+    ({"grad_hadamard": True, "grad_bits": None}, ValueError, "grad_hadamard"),
     ({"grad_bits": (8, 5)}, ValueError, r"grad_bits\[1\] \(inter-node\)"),
     ({"weight_block": 100}, ValueError, "weight_block"),
     ({"grad_block": 8192}, ValueError, "grad_block"),

@@ -25,6 +25,8 @@ class ZeroConfig:
     pair ``(intra, inter)``: each hop's width (e.g. ``(8, 4)``: 8-bit inside the node,
     4-bit across nodes, as SDP4Bit).
     ``weight_block`` / ``grad_block``: quantization block sizes.
+    ``grad_hadamard``: rotate each gradient block with the orthonormal Walsh-Hadamard
+    matrix before qgZ quantizes it (spreads outliers; docs/FORMAT.md "Rotation").
     ``stochastic_grad_rounding``: stochastic rounding of gradients (seeded by the
     step, the unit and the rank: reproducible). ``prefetch``: how many units ahead
     to gather asynchronously (0 disables). ``compute_dtype``: dtype of the gathered
@@ -40,6 +42,7 @@ class ZeroConfig:
     weight_block: int = fmt.DEFAULT_WEIGHT_BLOCK
     grad_block: int = fmt.DEFAULT_GRAD_BLOCK
     stochastic_grad_rounding: bool = False
+    grad_hadamard: bool = False
     prefetch: int = 1
     compute_dtype: torch.dtype | None = None
 
@@ -55,9 +58,11 @@ class ZeroConfig:
             object.__setattr__(self, "grad_bits", pair)
         elif self.grad_bits is not None:
             fmt.check_bits(self.grad_bits, "grad_bits")
+        if self.grad_hadamard and self.grad_bits is None:
+            raise ValueError("grad_hadamard=True needs quantized gradients (grad_bits is None)")
         fmt.check_block_size(self.weight_block, "weight_block")
         fmt.check_block_size(self.grad_block, "grad_block")
-        for name in ("hpz", "stochastic_grad_rounding"):
+        for name in ("hpz", "stochastic_grad_rounding", "grad_hadamard"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:

@@ -240,7 +240,7 @@ class FlatGroup:
         handle = reduce_scatter_quantized(shard, flat, bits=cfg.grad_bits, block_size=cfg.grad_block,
                                           topology=self.topology, op="avg", stochastic=cfg.stochastic_grad_rounding,
                                           seed=seed if cfg.stochastic_grad_rounding else 0, async_op=True,
-                                          similarity=similarity)
+                                          similarity=similarity, hadamard=cfg.grad_hadamard)
         self.grad_state = GradState.REDUCING
         self.drop_secondary()
         self.reshard()
