@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from .c10d import reduce_scatter_flat
 from ..quant import format as fmt
+from ..quant import outliers as reserve
 from ..quant import rows
 from ..quant.rng import rank_seed
 from . import framing, similarity as sim, validate
@@ -81,6 +82,7 @@ def reduce_scatter_quantized(
     async_op: bool = False,
     similarity: torch.Tensor | None = None,
     hadamard: bool = False,
+    outliers: int = 0,
 ):
     """Reduce-scatter ``input`` over the world with quantized 2-hop all-to-all (qgZ).
 
@@ -96,7 +98,9 @@ def reduce_scatter_quantized(
     each destination slice with the orthonormal Walsh-Hadamard matrix before the first
     quantization and rotates the reduced slice back (docs/FORMAT.md "Rotation"): the
     blocks' outliers are spread, so their scales shrink; the frames say so (a rank that
-    disagrees raises). Needs ``bits``. ``num_chunks > 1`` pipelines hop 2 of
+    disagrees raises). Needs ``bits``. ``outliers=k`` (1 to 8) keeps each block's ``k``
+    largest-magnitude values exactly beside the codes, in both hops (docs/FORMAT.md
+    "Outlier reserve"): ``6k`` more bytes per block; not with ``similarity``. ``num_chunks > 1`` pipelines hop 2 of
     chunk ``k`` with hop 1 of chunk ``k+1`` (bit-identical results). ``bits=None``
     is the unquantized ``reduce_scatter_tensor`` baseline over the world.
     ``stochastic`` rounds stochastically with ``seed`` mixed with the rank.
@@ -142,6 +146,9 @@ def reduce_scatter_quantized(
         raise TypeError(f"hadamard must be a bool, got {hadamard!r}")
     if hadamard and bits is None:
         raise ValueError("hadamard=True needs quantized gradients (bits is None)")
+    outliers = reserve.check_outliers(outliers, block_size)
+    if outliers and (bits is None or similarity is not None):
+        raise ValueError(f"outliers={outliers} needs quantized gradients (bits is not None) and no similarity")
     fmt.check_seed(seed)
     W = topology.world_size
     S = output.numel()
@@ -157,7 +164,7 @@ def reduce_scatter_quantized(
     if hadamard:
         input = rows.hadamard_rows(input.reshape(W, S), block_size)
     call = _Qgz(output, input, hop_bits, block_size, topology, op == "avg", stochastic, seed, num_chunks, similarity,
-                hadamard)
+                hadamard, outliers)
     return finish(call.complete, async_op, "qcoll::qgZ")
 
 
@@ -171,8 +178,9 @@ class _Qgz:
     """
 
     def __init__(self, output, input, hop_bits, block_size, topology, average, stochastic, seed, num_chunks,
-                 similarity=None, rotated=False):
+                 similarity=None, rotated=False, outliers=0):
         self.t, self.block_size, self.average, self.rotated = topology, block_size, average, rotated
+        self.k = outliers
         self.similarity = similarity
         self.stochastic = stochastic
         self.seed = rank_seed(seed, topology.rank) if stochastic else 0
@@ -197,13 +205,14 @@ class _Qgz:
 
     def _header(self, k: int, hop: int) -> framing.Header:
         a, b = self.chunks[k]
-        return framing.Header(self.bits1 if hop == 1 else self.bits2, self.block_size, b - a, rotated=self.rotated)
+        return framing.Header(self.bits1 if hop == 1 else self.bits2, self.block_size, b - a, rotated=self.rotated,
+                              outliers=self.k)
 
     def _hop1(self, k: int):
         """Reorder and quantize chunk ``k``, send each local peer its N slices; (recv, work)."""
         a, b = self.chunks[k]
-        q1 = rows.swizzle_quantize(self.x3[:, :, a:b].contiguous(), self.N, self.L, self.bits1, self.block_size,
-                                   self.stochastic, self.seed, a)
+        q1 = reserve.swizzle_quantize(self.x3[:, :, a:b].contiguous(), self.N, self.L, self.bits1, self.block_size,
+                                      self.k, self.stochastic, self.seed, a)
         if self.L == 1:
             return q1.view(1, self.N, -1), None
         return _all_to_all(framing.frame(q1.view(self.L, -1), self._header(k, 1)), self.t.intra_group, self.L)
@@ -237,8 +246,8 @@ class _Qgz:
                 values = rows.dequantize_rows(received, b - a, self.bits1, self.block_size, torch.float32)
                 energy = sim.noise_energy(received, values, self.bits1, self.block_size, self.stochastic)
                 sim.add_half_noise(self.similarity, energy, self.t.node < sim.half_split(self.N))
-            q2 = rows.reduce_requantize(got, b - a, self.bits1, self.block_size, self.bits2, self.block_size,
-                                        self.stochastic, self.seed, a)
+            q2 = reserve.reduce_requantize(got, b - a, self.bits1, self.bits2, self.block_size, self.k,
+                                           self.stochastic, self.seed, a)
         return _all_to_all(framing.frame(q2.view(self.N, -1), header), self.t.inter_group, self.N)
 
     def _poison(self, header: framing.Header):
@@ -262,7 +271,7 @@ class _Qgz:
                 continue         # keep waiting for every hop, decode nothing
             if self.similarity is not None:
                 self._measure(got, b - a)
-            total = rows.dequantize_reduce(got, b - a, self.bits2, self.block_size)[0]
+            total = reserve.dequantize_reduce(got, b - a, self.bits2, self.block_size, self.k)[0]
             if self.average:
                 total = total / self.t.world_size
             out_flat[a:b].copy_(total)

@@ -7,6 +7,7 @@ import warnings
 import torch
 
 from ..quant import format as fmt
+from ..quant import outliers as reserve
 
 _COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
@@ -27,6 +28,8 @@ class ZeroConfig:
     ``weight_block`` / ``grad_block``: quantization block sizes.
     ``grad_hadamard``: rotate each gradient block with the orthonormal Walsh-Hadamard
     matrix before qgZ quantizes it (spreads outliers; docs/FORMAT.md "Rotation").
+    ``weight_outliers`` / ``grad_outliers``: keep each block's ``k`` largest-magnitude
+    values exactly beside the codes (docs/FORMAT.md "Outlier reserve"; 0 to 8, 0 off).
     ``stochastic_grad_rounding``: stochastic rounding of gradients (seeded by the
     step, the unit and the rank: reproducible). ``prefetch``: how many units ahead
     to gather asynchronously (0 disables). ``compute_dtype``: dtype of the gathered
@@ -43,6 +46,8 @@ class ZeroConfig:
     grad_block: int = fmt.DEFAULT_GRAD_BLOCK
     stochastic_grad_rounding: bool = False
     grad_hadamard: bool = False
+    weight_outliers: int = 0
+    grad_outliers: int = 0
     prefetch: int = 1
     compute_dtype: torch.dtype | None = None
 
@@ -58,6 +63,10 @@ class ZeroConfig:
             object.__setattr__(self, "grad_bits", pair)
         elif self.grad_bits is not None:
             fmt.check_bits(self.grad_bits, "grad_bits")
+        for name, bits, block in (("weight_outliers", self.weight_bits, self.weight_block),
+                                  ("grad_outliers", self.grad_bits, self.grad_block)):
+            if reserve.check_outliers(getattr(self, name), block, name) and bits is None:
+                raise ValueError(f"{name}={getattr(self, name)} needs quantization ({name[:-9]}_bits is None)")
         if self.grad_hadamard and self.grad_bits is None:
             raise ValueError("grad_hadamard=True needs quantized gradients (grad_bits is None)")
         fmt.check_block_size(self.weight_block, "weight_block")
