@@ -79,8 +79,9 @@ def _replica(rank, world, L, bits):
     n = 500
     mine = shard_of(rank, n)
     fwd = torch.empty(world * n)
-    sec = qcoll.SecondaryShard(topo)
-    qcoll.all_gather_quantized(fwd, mine, bits=bits, secondary=sec)
+    gathered = qcoll.all_gather_quantized(fwd, mine, bits=bits)
+    assert gathered.output is fwd and gathered.rows.shape[0] == world
+    sec = qcoll.SecondaryShard.keep(gathered, topo)
     stats.reset()
     bwd = torch.full((world * n,), float("nan"))
     qcoll.replica_gather(bwd, sec)

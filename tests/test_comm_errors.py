@@ -32,7 +32,11 @@ def _local_errors(rank, world):
                                                             topology=topo, num_chunks=0),
         "rs topology": lambda: qcoll.reduce_scatter_quantized(torch.empty(64), torch.randn(world * 64),
                                                               topology="2x2"),
-        "empty secondary": lambda: qcoll.replica_gather(torch.empty(world * 64), qcoll.SecondaryShard(topo)),
+        "secondary from a tensor": lambda: qcoll.SecondaryShard.keep(x, topo),
+        "secondary of a subgroup": lambda: qcoll.SecondaryShard.keep(
+            qcoll.AllGatherResult(torch.empty(2 * 64), torch.empty(2, 16 + 68, dtype=torch.uint8), 64, 8, 64,
+                                  torch.float32), topo),
+        "replica of a tensor": lambda: qcoll.replica_gather(torch.empty(world * 64), x),
     }
     msgs = {}
     for name, call in cases.items():
@@ -53,7 +57,8 @@ def test_bad_arguments_raise_before_communication(ranks4):
     msgs = ranks4.run(_local_errors)[0]
     expect = {"int input": "input", "size": "output", "bits": "bits", "block": "block_size",
               "noncontig": "contiguous", "dtype": "dtype", "rs size": "input", "rs op": "op",
-              "rs chunks": "num_chunks", "rs topology": "topology", "empty secondary": "secondary",
+              "rs chunks": "num_chunks", "rs topology": "topology", "secondary from a tensor": "AllGatherResult",
+              "secondary of a subgroup": "world group", "replica of a tensor": "secondary",
               "topology": "ranks_per_node=3"}
     for name, word in expect.items():
         assert msgs[name] is not None and word in msgs[name], (name, msgs[name])
@@ -269,9 +274,10 @@ def _replica_mismatch(rank, world, case):
     topo = qcoll.Topology(2)
     kept = []
     for a in GATHER_CASES[case]:
-        sec, fwd = qcoll.SecondaryShard(topo), torch.empty(world * a["n"])
+        fwd = torch.empty(world * a["n"])
         x = torch.randn(a["n"], generator=torch.Generator().manual_seed(rank))
-        qcoll.all_gather_quantized(fwd, x, bits=a["bits"], block_size=a["block"], secondary=sec)
+        sec = qcoll.SecondaryShard.keep(qcoll.all_gather_quantized(fwd, x, bits=a["bits"], block_size=a["block"]),
+                                        topo)
         kept.append((sec, fwd))
     sec, fwd = kept[rank == 3]
     out = torch.full_like(fwd, float("nan"))
@@ -358,8 +364,9 @@ def _size_mismatch(rank, world, case):
     if case.startswith("replica_gather"):
         kept = []
         for b in (others, odd):
-            sec, fwd = qcoll.SecondaryShard(topo), torch.empty(world * b["n"])
-            qcoll.all_gather_quantized(fwd, x[:b["n"]], bits=b["bits"], block_size=b["block"], secondary=sec)
+            fwd = torch.empty(world * b["n"])
+            sec = qcoll.SecondaryShard.keep(
+                qcoll.all_gather_quantized(fwd, x[:b["n"]], bits=b["bits"], block_size=b["block"]), topo)
             kept.append((sec, fwd))
         sec, fwd = kept[rank == 3]
         out = torch.empty_like(fwd)
@@ -406,9 +413,9 @@ def test_frames_of_different_lengths_end_in_errors_never_garbage(fragile4, case)
 # ---------------------------------------------------------------- a destroyed process group
 def _stale_topology(rank, world, port):
     old = qcoll.Topology(1)
-    sec = qcoll.SecondaryShard(old)
     x = torch.randn(64)
-    qcoll.all_gather_quantized(torch.empty(world * 64), x, secondary=sec)
+    gathered = qcoll.all_gather_quantized(torch.empty(world * 64), x)
+    sec = qcoll.SecondaryShard.keep(gathered, old)
     old_group = old.inter_group
     dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -418,8 +425,7 @@ def _stale_topology(rank, world, port):
                                                                  topology=old),
         "current topology": lambda: qcoll.reduce_scatter_quantized(torch.empty(64), torch.randn(world * 64)),
         "replica_gather": lambda: qcoll.replica_gather(torch.empty(world * 64), sec),
-        "all_gather secondary": lambda: qcoll.all_gather_quantized(torch.empty(world * 64), x, secondary=sec),
-        "SecondaryShard": lambda: qcoll.SecondaryShard(old),
+        "SecondaryShard": lambda: qcoll.SecondaryShard.keep(gathered, old),
         "all_gather group": lambda: qcoll.all_gather_quantized(torch.empty(world * 64), x, group=old_group),
     }
     msgs = {}
@@ -441,7 +447,7 @@ def test_topology_of_a_destroyed_process_group_is_a_clear_error():
         msgs = pool.run(_stale_topology, free_port(), timeout=60)[0]
     finally:
         pool.close()
-    for name in ("reduce_scatter", "current topology", "replica_gather", "all_gather secondary", "SecondaryShard"):
+    for name in ("reduce_scatter", "current topology", "replica_gather", "SecondaryShard"):
         kind, msg = msgs[name]
         assert kind == "RuntimeError" and "Topology(world=2" in msg and "destroy_process_group" in msg, (name, msgs)
         assert "build a new qcoll.Topology after init_process_group" in msg, msg

@@ -50,8 +50,7 @@ def test_all_gather_and_replica_match_cpu(topo, bits, dtype):
     outs = {}
     for dev in ("cpu", "cuda"):
         out = torch.empty(10_000, dtype=dtype, device=dev)
-        sec = qcoll.SecondaryShard(topo)
-        qcoll.all_gather_quantized(out, x.to(dev), bits=bits, block_size=256, secondary=sec)
+        sec = qcoll.SecondaryShard.keep(qcoll.all_gather_quantized(out, x.to(dev), bits=bits, block_size=256), topo)
         again = torch.empty_like(out)
         qcoll.replica_gather(again, sec)
         assert _same_bits(again, out), "replica gather differs from the forward gather"

@@ -57,7 +57,7 @@ class ForwardBytes:
 
 
 def _held(model) -> list:
-    return [g.index for g in zero.state_of(model).groups if g.secondary is not None and g.secondary.data is not None]
+    return [g.index for g in zero.state_of(model).groups if g.secondary is not None]
 
 
 def _exported_copy(plain, sharded, path):

@@ -1,6 +1,8 @@
 """qwZ: quantized weight all-gather."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -8,11 +10,33 @@ from .c10d import all_gather_flat
 from ..quant import format as fmt
 from ..quant import rows
 from . import framing, validate
-from .errors import RankMismatchError
-from .handle import finish, wait_work
+from .handle import finish_with_result, labelled, wait_work
 from .stats import stats
 
 
+@dataclass(frozen=True, eq=False)
+class AllGatherResult:
+    """What a completed :func:`all_gather_quantized` gives back.
+
+    ``output``: the caller's output tensor, now holding every rank's shard.
+    ``rows``: what each rank of ``group`` sent, as received, one row per rank in group
+    order: uint8 ``[group size, 16 + packed_nbytes(numel)]`` frames (header included,
+    docs/FORMAT.md "Frames") when quantized, the ``[group size, numel]`` view of
+    ``output`` when ``bits is None``. hpZ keeps its node's part of them
+    (:meth:`qcoll.comm.SecondaryShard.keep`); drop the result to free them.
+    ``numel``, ``bits``, ``block_size``, ``dtype`` and ``group``: the gather's arguments.
+    """
+
+    output: torch.Tensor
+    rows: torch.Tensor
+    numel: int
+    bits: int | None
+    block_size: int
+    dtype: torch.dtype
+    group: object = None
+
+
+@labelled("qcoll::qwZ")
 def all_gather_quantized(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -20,7 +44,6 @@ def all_gather_quantized(
     block_size: int = fmt.DEFAULT_WEIGHT_BLOCK,
     group=None,
     async_op: bool = False,
-    secondary=None,
 ):
     """All-gather ``input`` into ``output`` with block quantization on the wire (qwZ).
 
@@ -31,9 +54,9 @@ def all_gather_quantized(
     uint8 buffer per rank is gathered, and every shard is dequantized into
     ``output`` in its dtype.
 
-    ``secondary``: a :class:`qcoll.comm.SecondaryShard` to fill from the gathered
-    buffers (hpZ; needs the world group). Returns a handle with ``wait()`` when
-    ``async_op`` is true, else ``None``.
+    Returns an :class:`AllGatherResult` (``output`` and the gathered packed rows, from
+    which hpZ keeps a :class:`qcoll.comm.SecondaryShard`), or with ``async_op`` a handle
+    whose ``wait()`` returns it. The collective keeps no state of its own.
 
     Ranks that disagree: each quantized buffer travels behind a 16-byte frame header
     (``bits``, ``block_size``, shard numel; docs/FORMAT.md "Frames"), and every rank
@@ -59,8 +82,6 @@ def all_gather_quantized(
         raise ValueError(
             f"output must have group size x input numel = {size} x {n} = {size * n} elements, got {output.numel()}"
         )
-    if secondary is not None:
-        secondary.check_gather(group, n, bits, block_size, input.dtype)
     validate.debug_check("all_gather", group, n, bits, block_size, input.dtype, input.device)
     src = input.contiguous()
     header = None if bits is None else framing.Header(bits, block_size, n)
@@ -83,19 +104,11 @@ def all_gather_quantized(
             framing.check_unframed(output.view(torch.uint8).view(size, -1), receipt)
         else:
             shards = recv.view(size, -1)
-            try:
-                payload = framing.unframe(shards, header, receipt)
-            except RankMismatchError:
-                if secondary is not None:
-                    secondary.release()
-                raise
-        if secondary is not None:
-            secondary.keep(shards)
-        if header is not None:
+            payload = framing.unframe(shards, header, receipt)
             rows.dequantize_rows_into(payload, n, bits, block_size, output.view(size, n))
-        return output
+        return AllGatherResult(output, shards, n, bits, block_size, input.dtype, group)
 
-    return finish(complete, async_op)
+    return finish_with_result(complete, async_op, "qcoll::qwZ")
 
 
 def _receipt(group):
@@ -111,7 +124,6 @@ def _sent(header, n: int, nbytes: int) -> str:
     return f"{what} of {nbytes} bytes for {n} elements"
 
 
-def all_gather_int8(output, input, block_size: int = fmt.DEFAULT_WEIGHT_BLOCK, group=None, async_op=False,
-                    secondary=None):
+def all_gather_int8(output, input, block_size: int = fmt.DEFAULT_WEIGHT_BLOCK, group=None, async_op=False):
     """:func:`all_gather_quantized` with ``bits=8``."""
-    return all_gather_quantized(output, input, 8, block_size, group, async_op, secondary)
+    return all_gather_quantized(output, input, 8, block_size, group, async_op)

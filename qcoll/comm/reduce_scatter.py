@@ -12,7 +12,7 @@ from ..quant import rows
 from ..quant.rng import rank_seed
 from . import framing, similarity as sim, validate
 from .errors import RankMismatchError
-from .handle import finish, wait_work
+from .handle import finish, labelled, wait_work
 from .stats import stats
 from .topology import Topology, current_topology
 
@@ -67,6 +67,7 @@ def _hop_receipt(topology: Topology, hop: int):
     return build
 
 
+@labelled("qcoll::qgZ")
 def reduce_scatter_quantized(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -142,7 +143,7 @@ def reduce_scatter_quantized(
     if bits is None:
         return _baseline(output, input, W, op, async_op)
     call = _Qgz(output, input, bits, block_size, topology, op == "avg", stochastic, seed, num_chunks, similarity)
-    return finish(call.complete, async_op)
+    return finish(call.complete, async_op, "qcoll::qgZ")
 
 
 class _Qgz:
@@ -283,7 +284,7 @@ def _plain_two_hop(output, input, topology: Topology, average: bool, similarity:
     for j in range(1, parts.shape[0]):
         total += parts[j]
     output.view(-1).copy_(total / t.world_size if average else total)
-    return finish(lambda: output, async_op)
+    return finish(lambda: output, async_op, "qcoll::qgZ")
 
 
 def _baseline(output, input, world, op, async_op):
@@ -297,4 +298,4 @@ def _baseline(output, input, world, op, async_op):
             output.div_(world)
         return output
 
-    return finish(complete, async_op)
+    return finish(complete, async_op, "qcoll::qgZ")

@@ -1,66 +1,77 @@
 """hpZ: the node-local secondary shard and the backward ``replica_gather``."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-import torch.distributed as dist
 
 from .c10d import all_gather_flat
 from ..quant import rows
 from . import framing, validate
-from .handle import finish, wait_work
+from .all_gather import AllGatherResult
+from .handle import finish, labelled, wait_work
 from .stats import stats
 from .topology import Topology
 
 
+@dataclass(frozen=True, eq=False)
 class SecondaryShard:
-    """The secondary partition of one rank (hpZ).
+    """The secondary partition of one rank (hpZ): bytes it received, and what they are.
 
-    Local rank ``l`` of ``L`` (``N`` nodes) keeps the gathered buffers of global
-    ranks ``l*N .. (l+1)*N - 1``, exactly as received in the forward all-gather:
-    packed bytes when quantized (no extra communication, ``bits/8`` bytes per
-    element), frame headers included (docs/FORMAT.md "Frames", 16 bytes per shard),
-    so that :func:`replica_gather`'s receivers check them again; the raw shards
-    when ``bits=None``. :func:`replica_gather` then all-gathers them inside the node
-    only, in global rank order.
+    Local rank ``l`` of ``L`` (``N`` nodes) keeps the gathered rows of global ranks
+    ``l*N .. (l+1)*N - 1``, exactly as received in the forward all-gather: packed frames
+    when quantized (no extra communication, ``bits/8`` bytes per element plus the 16-byte
+    frame header per shard, docs/FORMAT.md "Frames", so that :func:`replica_gather`'s
+    receivers check them again), the raw shards when ``bits=None``. Build one with
+    :meth:`keep` from an :class:`~qcoll.comm.AllGatherResult`; it is an immutable record
+    (the caller holds it and drops it to free the bytes), and :func:`replica_gather`
+    all-gathers its rows inside the node, in global rank order.
+
+    ``rows``: uint8 ``[N, 16 + packed_nbytes(numel)]`` (or ``[N, numel]`` in ``dtype`` when
+    ``bits`` is None). ``numel``: elements per shard.
     """
 
-    def __init__(self, topology: Topology):
+    topology: Topology
+    rows: torch.Tensor
+    numel: int
+    bits: int | None
+    block_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def keep(cls, gathered: AllGatherResult, topology: Topology) -> "SecondaryShard":
+        """This rank's secondary shard from a completed world all-gather (copies ``N`` rows)."""
+        if not isinstance(gathered, AllGatherResult):
+            raise TypeError(f"gathered must be the AllGatherResult of all_gather_quantized, got "
+                            f"{type(gathered).__name__}")
         if not isinstance(topology, Topology):
             raise TypeError(f"topology must be a qcoll Topology, got {type(topology).__name__}")
         topology.check_live()
-        self.topology = topology
-        self.data: torch.Tensor | None = None
-        self.numel = self.bits = self.block_size = self.dtype = None
-
-    def check_gather(self, group, numel, bits, block_size, dtype) -> None:
-        self.topology.check_live()
-        if group is not None and dist.get_world_size(group) != self.topology.world_size:
-            raise ValueError("a SecondaryShard can only be filled by an all-gather over the world group")
-        self.numel, self.bits, self.block_size, self.dtype = numel, bits, block_size, dtype
+        if gathered.rows.shape[0] != topology.world_size:
+            raise ValueError(f"a SecondaryShard can only be kept from an all-gather over the world group "
+                             f"({topology.world_size} ranks), got one over {gathered.rows.shape[0]}")
+        lo = topology.local_rank * topology.num_nodes
+        return cls(topology, gathered.rows[lo: lo + topology.num_nodes].clone(), gathered.numel, gathered.bits,
+                   gathered.block_size, gathered.dtype)
 
     def header(self) -> framing.Header | None:
         """The frame header every kept quantized shard carries (None when unquantized)."""
         return None if self.bits is None else framing.Header(self.bits, self.block_size, self.numel)
 
-    def keep(self, shards: torch.Tensor) -> None:
-        """Keep this rank's rows of the gathered ``[world, nbytes]`` buffers (frames as received)."""
-        t = self.topology
-        lo = t.local_rank * t.num_nodes
-        self.data = shards[lo: lo + t.num_nodes].clone()
-
     @property
     def nbytes(self) -> int:
-        return 0 if self.data is None else self.data.numel() * self.data.element_size()
-
-    def release(self) -> None:
-        self.data = None
+        """Bytes this rank holds for it."""
+        return self.rows.numel() * self.rows.element_size()
 
 
+@labelled("qcoll::hpZ")
 def replica_gather(output: torch.Tensor, secondary: SecondaryShard, async_op: bool = False):
     """Rebuild the full tensor from the node's secondary shards (intra-node only).
 
     ``output`` holds ``world * numel`` elements, as in the forward all-gather that
-    filled ``secondary``; the result is bit-identical to that gather's output.
+    ``secondary`` was kept from (:meth:`SecondaryShard.keep`); the result is bit-identical to
+    that gather's output. Returns None, or with ``async_op`` a handle whose ``wait()``
+    returns ``output``.
 
     Ranks that disagree: every rank checks the frame headers of all received shards
     (kept from the forward gather) against its own secondary's ``bits``,
@@ -73,8 +84,6 @@ def replica_gather(output: torch.Tensor, secondary: SecondaryShard, async_op: bo
     """
     if not isinstance(secondary, SecondaryShard):
         raise TypeError(f"secondary must be a SecondaryShard, got {type(secondary).__name__}")
-    if secondary.data is None:
-        raise ValueError("secondary is empty: fill it with all_gather_quantized(..., secondary=...) first")
     validate.check_tensor(output, "output")
     validate.check_async(async_op)
     t = validate.check_topology(secondary.topology, "secondary.topology")
@@ -85,7 +94,7 @@ def replica_gather(output: torch.Tensor, secondary: SecondaryShard, async_op: bo
         raise TypeError(f"output dtype {output.dtype} differs from the gathered dtype {secondary.dtype}")
     validate.debug_check("replica_gather", t.intra_group, n, secondary.bits, secondary.block_size,
                          output.dtype, output.device)
-    mine = secondary.data.reshape(-1)
+    mine = secondary.rows.reshape(-1)
     header = secondary.header()
     L, W = t.ranks_per_node, t.world_size
     recv = output.view(-1) if header is None else framing.receive_buffer(W, mine.numel() // t.num_nodes, mine.device)
@@ -103,7 +112,7 @@ def replica_gather(output: torch.Tensor, secondary: SecondaryShard, async_op: bo
             rows.dequantize_rows_into(payload, n, header.bits, header.block_size, output.view(W, n))
         return output
 
-    return finish(complete, async_op)
+    return finish(complete, async_op, "qcoll::hpZ")
 
 
 def _receipt(t: Topology) -> framing.Receipt:

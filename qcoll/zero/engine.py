@@ -38,6 +38,7 @@ import time
 
 import torch
 from torch.autograd import Variable
+from torch.autograd.profiler import record_function
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.overrides import TorchFunctionMode
@@ -90,18 +91,23 @@ def _note_released_reads(error) -> None:
                        "the module that reads it, or its parameter's module as part of it.")
 
 
-def _engine_hook(fn):
-    """The engine's own code: the probe ignores its ops."""
+def _engine_hook(label: str):
+    """The engine's own code: the probe ignores its ops, and a profile shows it as ``label``
+    (as FSDP2's ``FSDP::pre_forward`` and the like)."""
 
-    @functools.wraps(fn)
-    def run(self, *args, **kwargs):
-        busy, self.busy = self.busy, True
-        try:
-            return fn(self, *args, **kwargs)
-        finally:
-            self.busy = busy
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(self, *args, **kwargs):
+            busy, self.busy = self.busy, True
+            try:
+                with record_function(label):
+                    return fn(self, *args, **kwargs)
+            finally:
+                self.busy = busy
 
-    return run
+        return run
+
+    return wrap
 
 
 class Engine:
@@ -168,7 +174,7 @@ class Engine:
             return tree_map_only(torch.Tensor, cast, (args, kwargs))
         return None
 
-    @_engine_hook
+    @_engine_hook("qcoll.zero::end_forward")
     def _end_forward(self, module, args, output):
         failed = bool(self.running)      # the forward raised inside a unit: the probe runs again next time
         if failed:
@@ -179,7 +185,7 @@ class Engine:
         self._stop_probe()
         self._in_forward = False
         for g in self.groups:
-            g.maybe_free()
+            g.reshard()
         if self.generation is not None:
             self._end_generation_forward()
         return output
@@ -193,10 +199,9 @@ class Engine:
         self._stop_probe()
         self.running = []
         for g in self.groups:
-            g.forward_users = 0
-            g.maybe_free()
+            g.clear_forward_uses()
 
-    @_engine_hook
+    @_engine_hook("qcoll.zero::gather_released")
     def use_released(self, param: nn.Parameter) -> None:
         """A released parameter is read inside a forward: gather its group and make it one
         of the innermost running unit's groups (gathered for its forward and backward)."""
@@ -206,31 +211,30 @@ class Engine:
         unit = self.running[-1]
         if group not in unit.groups:
             unit.groups.append(group)
-            group.forward_users += 1
-        group.ensure_gathered(backward=False)
+            group.begin_forward_use()
+        group.gather_now(backward=False)
         self._record_gathered()
 
-    @_engine_hook
+    @_engine_hook("qcoll.zero::pre_forward")
     def _pre_forward(self, unit: Unit, module, args):
         call = len(self.order)
         self.order.append(unit)
         self.running.append(unit)
         for g in unit.groups:
-            g.forward_users += 1
+            g.begin_forward_use()
         for g in unit.groups:
-            g.ensure_gathered(backward=False)
+            g.gather_now(backward=False)
         for nxt in self.last_order[call + 1: call + 1 + self.config.prefetch]:
             for g in nxt.groups:
-                g.start_gather(backward=False)
+                g.unshard(backward=False)
         self._record_gathered()
 
-    @_engine_hook
+    @_engine_hook("qcoll.zero::post_forward")
     def _post_forward(self, unit: Unit, module, args, output):
         if self.running and self.running[-1] is unit:
             self.running.pop()
         for g in unit.groups:
-            g.forward_users -= 1
-            g.maybe_free()
+            g.end_forward_use()
         if torch.is_grad_enabled():  # frozen units too: a gradient may flow through them to earlier units
             leaves, _ = tree_flatten(output)
             tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -240,7 +244,7 @@ class Engine:
         return output
 
     # ------------------------------------------------------------------ backward
-    @_engine_hook
+    @_engine_hook("qcoll.zero::pre_backward")
     def _pre_backward(self, unit: Unit, order: list[Unit], call: int, grad) -> None:
         if self.generation is not None:
             raise RuntimeError("qcoll.zero: backward inside generation_mode(): the mode keeps the hpZ secondary "
@@ -250,42 +254,38 @@ class Engine:
             self.in_backward = True
             Variable._execution_engine.queue_callback(self._end_backward)
         for g in unit.groups:
-            g.backward_hold = True
-            g.ensure_gathered(backward=True)
+            g.hold_for_backward()
         for prev in reversed(order[max(0, call - self.config.prefetch): call]):
             for g in prev.groups:
-                if not g.reduce_launched:
-                    g.start_gather(backward=True)
+                if not g.reducing:
+                    g.unshard(backward=True)
         self._record_gathered()
 
     def _record_gathered(self) -> None:
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(g.gathered_nbytes() for g in self.groups))
 
     def _grad_ready(self, group: FlatGroup, param) -> None:
-        if not self.sync_grads or group.reduce_launched:
+        if not self.sync_grads or group.reducing:
             return
-        group.grads_ready += 1
-        if group.grads_ready == len(group.params):
+        if group.grad_ready():
             self._reduce(group)
 
     def _seed(self, group: FlatGroup) -> int:
         return mix32_int(mix32_int(self.micro_step + 1) ^ (group.index + 1))
 
+    @_engine_hook("qcoll.zero::reduce_grads")
     def _reduce(self, group: FlatGroup) -> None:
         if self.measure_similarity and self._similarity is None:
             self._similarity = sim.new_stats(group.master.device)
-        handle, shard = group.launch_reduce(self._seed(group), self._similarity)
+        handle, shard = group.reduce_grads(self._seed(group), self._similarity)
         self.reduces.append((group, handle, shard))
-        group.backward_hold = False
-        if group.secondary is not None:
-            group.secondary.release()
-        group.maybe_free()
 
+    @_engine_hook("qcoll.zero::post_backward")
     def _end_backward(self) -> None:
         try:
             if self.sync_grads:
                 for g in self.groups:
-                    if g.trainable and not g.reduce_launched:
+                    if g.trainable and not g.reducing:
                         self._reduce(g)
             self.wait_reduces()
             self._finish_similarity()
@@ -325,10 +325,7 @@ class Engine:
         self._set_aside = {}
         self._kept_version = {}
         for g in self.groups:
-            if g.secondary is not None and g.secondary.data is not None:  # a pending backward's: kept for it
-                self._set_aside[g.index] = g.secondary.data
-                g.secondary.data = None
-            g.hold_secondary = True
+            self._set_aside[g.index] = g.begin_generation()  # a pending backward's secondary: kept for it
         self.generation = GenerationStats()
         return self.generation
 
@@ -342,11 +339,7 @@ class Engine:
         finally:
             self._close_profile()
             for g in self.groups:
-                g.hold_secondary = False
-                if g.secondary is not None:
-                    g.secondary.release()
-                    if g.index in self._set_aside:
-                        g.secondary.data = self._set_aside[g.index]
+                g.end_generation(self._set_aside.get(g.index))
             self._set_aside = {}
             self._kept_version = {}
             self._forward_start = None
@@ -355,17 +348,16 @@ class Engine:
     def _begin_generation_forward(self) -> None:
         gen = self.generation
         for g in self.groups:
-            sec = g.secondary
-            if sec is None:
+            if not g.config.hpz:
                 continue
             version = g.master._version  # in-place updates of the master (optimizer steps, loads) bump it
-            if sec.data is not None and self._kept_version.get(g.index) != version:
-                sec.release()  # kept before the master changed: stale, gather it across nodes again
+            if g.secondary is not None and self._kept_version.get(g.index) != version:
+                g.drop_secondary()  # kept before the master changed: stale, gather it across nodes again
                 gen.refreshed += 1
-            if sec.data is None:
+            if g.secondary is None:
                 self._kept_version[g.index] = version  # this forward's gather keeps it from this master
         self._close_profile()
-        self._profile = torch.autograd.profiler.record_function("qcoll.zero.generation_forward")
+        self._profile = record_function("qcoll.zero::generation_forward")
         self._profile.__enter__()
         self._forward_start = (stats.total_inter_bytes, stats.total_intra_bytes, time.perf_counter())
 

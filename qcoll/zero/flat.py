@@ -26,6 +26,13 @@ or a shape error, never memory that is gone. A parameter keeps its own version c
 across ``.data`` swaps (the gathers write through ``full``, never through the
 parameter), so autograd's saved parameters and views of them, in eager and compiled
 graphs alike, see the values again once the backward pass has gathered the group.
+
+The group's schedule state is explicit (:mod:`qcoll.zero.group_state`): ``gather_state``
+(released / gathering / gathered) and ``grad_state`` (idle / held for backward /
+reducing), changed only by the transitions below, each asserting where it starts from.
+The engine calls only those. The group also holds its hpZ secondary shard (the node's
+rows of its last forward gather, a :class:`qcoll.comm.SecondaryShard`) while a backward
+or generation mode needs it; the collectives keep no state of their own.
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ from torch import nn
 
 from ..comm import SecondaryShard, Topology, all_gather_quantized, reduce_scatter_quantized, replica_gather
 from .config import ZeroConfig
+from .group_state import GatherState, GradState, assert_in
 
 
 class FlatGroup:
@@ -72,13 +80,17 @@ class FlatGroup:
                       for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
         self.released = self.full.new_empty(0)
         self._free_storage()
-        self.secondary = SecondaryShard(topology) if config.hpz else None
-        self.gathered = False
-        self.pending = None          # handle of an async gather in flight
-        self.forward_users = 0       # units currently running forward with this group
-        self.backward_hold = False   # gathered for backward, until its gradients are reduced
-        self.grads_ready = 0
-        self.reduce_launched = False
+        self.gather_state = GatherState.RELEASED
+        self.grad_state = GradState.IDLE
+        #: the hpZ secondary shard kept from the last forward gather (None: none held)
+        self.secondary: SecondaryShard | None = None
+        #: generation mode: forwards keep the secondary shard (without gradients, frozen groups
+        #: too) and, once kept, gather from it inside the node as backward does
+        self.hold_secondary = False
+        self._pending = None         # GATHERING: the gather's handle
+        self._keep_gathered = False  # GATHERING: keep a secondary shard from it
+        self._forward_users = 0      # units currently running forward with this group
+        self._grads_ready = 0        # parameters whose gradient this backward has accumulated
 
     # ------------------------------------------------------------------ storage
     def _alloc_storage(self) -> None:
@@ -97,55 +109,126 @@ class FlatGroup:
         """Bytes of full parameters this group holds now (in flight or gathered)."""
         return self.full.untyped_storage().nbytes()
 
-    # ------------------------------------------------------------------ gather
-    #: Set by the engine inside ``generation_mode()``: forwards keep the hpZ secondary shard (without
-    #: gradients, frozen groups too) and, once kept, gather from it inside the node as backward does.
-    hold_secondary = False
-
-    def start_gather(self, backward: bool) -> None:
-        """Launch the async gather of the full parameters (no-op if gathered or in flight)."""
-        if self.gathered or self.pending is not None:
+    # ------------------------------------------------------------------ gather transitions
+    def unshard(self, backward: bool) -> None:
+        """RELEASED -> GATHERING: launch the async gather of the full parameters (a no-op when
+        gathering or gathered). ``backward`` (or generation mode) gathers from the hpZ secondary
+        shard inside the node when one is held, else qwZ across the world."""
+        if self.gather_state is not GatherState.RELEASED:
             return
-        cfg = self.config
         self._alloc_storage()
-        if (backward or self.hold_secondary) and self.secondary is not None and self.secondary.data is not None:
-            self.pending = replica_gather(self.full, self.secondary, async_op=True)
+        self.gather_state = GatherState.GATHERING
+        if (backward or self.hold_secondary) and self.secondary is not None:
+            self._pending, self._keep_gathered = replica_gather(self.full, self.secondary, async_op=True), False
             return
         src = self.master.detach()
         if src.dtype != self.full.dtype:
             src = src.to(self.full.dtype)
-        keep = self.secondary if (self.secondary is not None and not backward and
-                                  (self.hold_secondary or (torch.is_grad_enabled() and self.trainable))) else None
-        self.pending = all_gather_quantized(self.full, src, bits=cfg.weight_bits, block_size=cfg.weight_block,
-                                            async_op=True, secondary=keep)
+        self._keep_gathered = self.config.hpz and not backward and (
+            self.hold_secondary or (torch.is_grad_enabled() and self.trainable))
+        self._pending = all_gather_quantized(self.full, src, bits=self.config.weight_bits,
+                                             block_size=self.config.weight_block, async_op=True)
 
-    def ensure_gathered(self, backward: bool) -> None:
-        if self.gathered:
+    def wait_for_unshard(self) -> None:
+        """GATHERING -> GATHERED (a no-op when gathered): wait for the gather; a forward
+        gather that keeps the hpZ secondary shard takes its node's rows now."""
+        if self.gather_state is GatherState.GATHERED:
             return
-        self.start_gather(backward)
-        self.pending.wait()
-        self.pending = None
-        self.gathered = True
-
-    def maybe_free(self) -> None:
-        """Free the full parameters unless a forward or a backward still needs them."""
-        if self.forward_users or self.backward_hold:
-            return
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
-        if self.gathered or self.full.untyped_storage().nbytes():
+        assert_in(self.gather_state, (GatherState.GATHERING,), "wait_for_unshard", self.name)
+        pending, self._pending = self._pending, None
+        try:
+            result = pending.wait()
+        except BaseException:  # a failed gather (ranks disagree, transport): nothing valid is held
+            self._keep_gathered = False
             self._free_storage()
-            self.gathered = False
+            self.gather_state = GatherState.RELEASED
+            raise
+        if self._keep_gathered:
+            self.secondary = SecondaryShard.keep(result, self.topology)
+            self._keep_gathered = False
+        self.gather_state = GatherState.GATHERED
 
-    # ------------------------------------------------------------------ gradients
-    def launch_reduce(self, seed: int, similarity: torch.Tensor | None = None):
-        """Flatten the parameters' gradients, drop them, and start the qgZ reduce-scatter.
+    def gather_now(self, backward: bool) -> None:
+        """Any gather state -> GATHERED: :meth:`unshard` and :meth:`wait_for_unshard`."""
+        self.unshard(backward)
+        self.wait_for_unshard()
+
+    def reshard(self) -> None:
+        """-> RELEASED, unless a running forward or a held backward still needs the full
+        parameters (then nothing changes). A gather in flight is completed first."""
+        if self._forward_users or self.grad_state is GradState.HELD:
+            return
+        if self.gather_state is GatherState.GATHERING:
+            self.wait_for_unshard()
+        if self.gather_state is GatherState.GATHERED:
+            self._free_storage()
+            self.gather_state = GatherState.RELEASED
+
+    def gathered_nbytes(self) -> int:
+        """Bytes of full parameters this group holds now (in flight or gathered)."""
+        return self.full.untyped_storage().nbytes()
+
+    # ------------------------------------------------------------------ forward uses
+    def begin_forward_use(self) -> None:
+        """A unit that needs this group starts its forward (the group stays gathered until it ends)."""
+        self._forward_users += 1
+
+    def end_forward_use(self) -> None:
+        """That unit's forward ended: reshard unless another user or a backward still needs it."""
+        assert self._forward_users > 0, f"qcoll.zero: group {self.name!r}: end_forward_use without a forward use"
+        self._forward_users -= 1
+        self.reshard()
+
+    def clear_forward_uses(self) -> None:
+        """A forward raised inside units that never ended: forget their uses and reshard."""
+        self._forward_users = 0
+        self.reshard()
+
+    # ------------------------------------------------------------------ hpZ secondary shard
+    def drop_secondary(self) -> None:
+        """Free the kept hpZ secondary shard (if any)."""
+        self.secondary = None
+
+    def begin_generation(self) -> SecondaryShard | None:
+        """Enter generation mode: keep secondaries from now on; returns the one held on entry
+        (a pending backward's), set aside until :meth:`end_generation`."""
+        assert not self.hold_secondary, f"qcoll.zero: group {self.name!r}: generation mode entered twice"
+        set_aside, self.secondary = self.secondary, None
+        self.hold_secondary = True
+        return set_aside
+
+    def end_generation(self, set_aside: SecondaryShard | None) -> None:
+        """Leave generation mode: drop the secondary it kept and put back ``set_aside``."""
+        self.hold_secondary = False
+        self.secondary = set_aside
+
+    # ------------------------------------------------------------------ gradient transitions
+    @property
+    def reducing(self) -> bool:
+        """Whether this backward handed the group's gradients to the reduce-scatter already."""
+        return self.grad_state is GradState.REDUCING
+
+    def hold_for_backward(self) -> None:
+        """IDLE/HELD -> HELD and gathered: a unit that uses the group starts its backward."""
+        assert_in(self.grad_state, (GradState.IDLE, GradState.HELD), "hold_for_backward", self.name)
+        self.grad_state = GradState.HELD
+        self.gather_now(backward=True)
+
+    def grad_ready(self) -> bool:
+        """One parameter's gradient is accumulated; True when all of them are (IDLE/HELD)."""
+        assert_in(self.grad_state, (GradState.IDLE, GradState.HELD), "grad_ready", self.name)
+        self._grads_ready += 1
+        return self._grads_ready == len(self.params)
+
+    def reduce_grads(self, seed: int, similarity: torch.Tensor | None = None):
+        """IDLE/HELD -> REDUCING: flatten the parameters' gradients, drop them, start the qgZ
+        reduce-scatter, drop the secondary shard and reshard.
 
         Returns ``(handle, shard)``: after ``handle.wait()``, ``shard`` holds this rank's
         slice of the world-averaged gradient (fp32) and ``similarity`` (if given) this
         slice's half-batch statistics added (see ``reduce_scatter_quantized``).
         """
+        assert_in(self.grad_state, (GradState.IDLE, GradState.HELD), "reduce_grads", self.name)
         cfg = self.config
         W, S = self.topology.world_size, self.shard_numel
         flat = torch.zeros(W * S, dtype=torch.float32, device=self.master.device)
@@ -158,10 +241,13 @@ class FlatGroup:
                                           topology=self.topology, op="avg", stochastic=cfg.stochastic_grad_rounding,
                                           seed=seed if cfg.stochastic_grad_rounding else 0, async_op=True,
                                           similarity=similarity)
-        self.reduce_launched = True
+        self.grad_state = GradState.REDUCING
+        self.drop_secondary()
+        self.reshard()
         return handle, shard
 
     def accumulate(self, shard: torch.Tensor) -> None:
+        """Add a reduced gradient shard to the fp32 master's gradient."""
         if self.master.grad is None:
             self.master.grad = shard
         else:
@@ -172,12 +258,12 @@ class FlatGroup:
             p.grad = None
 
     def end_backward(self) -> None:
-        self.backward_hold = False
-        self.grads_ready = 0
-        self.reduce_launched = False
-        if self.secondary is not None:
-            self.secondary.release()
-        self.maybe_free()
+        """Any grad state -> IDLE: the backward ended (its reductions are waited for); drop
+        the secondary shard and reshard."""
+        self.grad_state = GradState.IDLE
+        self._grads_ready = 0
+        self.drop_secondary()
+        self.reshard()
 
     # ------------------------------------------------------------------ full values
     @property

@@ -35,7 +35,7 @@ def memory_report(model, optimizer=None) -> dict:
         "padding": sum(g.shard_numel - g.local_param_numel() for g in groups) * 4,
         "grad": _nbytes(g.master.grad for g in groups),
         "optimizer_state": 0,
-        "secondary": _nbytes(g.secondary.data for g in groups if g.secondary is not None),
+        "secondary": _nbytes(g.secondary.rows for g in groups if g.secondary is not None),
         "gathered": sum(g.gathered_nbytes() for g in groups),
         "gathered_peak": state.engine.peak_gathered_bytes,
     }

@@ -89,7 +89,7 @@ class ZeroModule(nn.Module):
         engine = state_of(self).engine
         stats = engine.begin_generation()
         try:
-            with torch.no_grad(), torch.autograd.profiler.record_function("qcoll.zero.generation_mode"):
+            with torch.no_grad(), torch.autograd.profiler.record_function("qcoll.zero::generation_mode"):
                 yield stats
         finally:
             engine.end_generation()
