@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_bool, check_int
 from . import format as fmt
 from . import rows
 
@@ -61,8 +62,7 @@ def quantize(
     fmt.check_float_tensor(x, "x")
     fmt.check_bits(bits)
     fmt.check_block_size(block_size)
-    if not isinstance(stochastic, bool):
-        raise TypeError(f"stochastic must be a bool, got {stochastic!r}")
+    check_bool(stochastic, "stochastic")
     fmt.check_seed(seed)
     flat = x.contiguous().reshape(1, -1)
     data = rows.quantize_rows(flat, bits, block_size, stochastic, seed).reshape(-1)
@@ -107,8 +107,7 @@ def dequantize(packed: Packed, out: torch.Tensor | None = None, dtype: torch.dty
 
 def packed_nbytes(numel: int, bits: int, block_size: int) -> int:
     """Bytes of the packed buffer for ``numel`` elements (validates its arguments)."""
-    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+    check_int(numel, "numel", minimum=0)
     return fmt.packed_nbytes(numel, fmt.check_bits(bits), fmt.check_block_size(block_size))
 
 
