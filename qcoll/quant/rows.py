@@ -7,20 +7,20 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import cpu
 from .backend import kernels, use_cuda
 
 
 def quantize_rows(x, bits, block_size, stochastic=False, seed=0, offset=0) -> torch.Tensor:
     if use_cuda(x):
         return kernels().quantize_rows(x, bits, block_size, stochastic, seed, offset)
-    return reference.quantize_rows(x, bits, block_size, stochastic, seed, offset)
+    return cpu.quantize_rows(x, bits, block_size, stochastic, seed, offset)
 
 
 def dequantize_rows(buf, n, bits, block_size, dtype) -> torch.Tensor:
     if use_cuda(buf):
         return kernels().dequantize_rows(buf, n, bits, block_size, dtype)
-    return reference.dequantize_rows(buf, n, bits, block_size, dtype)
+    return cpu.dequantize_rows(buf, n, bits, block_size, dtype)
 
 
 def dequantize_rows_into(buf, n, bits, block_size, out) -> torch.Tensor:
@@ -31,22 +31,22 @@ def dequantize_rows_into(buf, n, bits, block_size, out) -> torch.Tensor:
     """
     if use_cuda(buf):
         return out.copy_(kernels().dequantize_rows(buf, n, bits, block_size, out.dtype))
-    return reference.dequantize_rows_into(buf, n, bits, block_size, out)
+    return cpu.dequantize_rows_into(buf, n, bits, block_size, out)
 
 
 def swizzle_quantize(x, nodes, local, bits, block_size, stochastic=False, seed=0, offset=0) -> torch.Tensor:
     if use_cuda(x):
         return kernels().swizzle_quantize(x, nodes, local, bits, block_size, stochastic, seed, offset)
-    return reference.swizzle_quantize(x, nodes, local, bits, block_size, stochastic, seed, offset)
+    return cpu.swizzle_quantize(x, nodes, local, bits, block_size, stochastic, seed, offset)
 
 
 def dequantize_reduce(bufs, n, bits, block_size) -> torch.Tensor:
     if use_cuda(bufs):
         return kernels().dequantize_reduce(bufs, n, bits, block_size)
-    return reference.dequantize_reduce(bufs, n, bits, block_size)
+    return cpu.dequantize_reduce(bufs, n, bits, block_size)
 
 
 def reduce_requantize(bufs, n, bits_in, block_in, bits_out, block_out, stochastic=False, seed=0, offset=0):
     if use_cuda(bufs):
         return kernels().reduce_requantize(bufs, n, bits_in, block_in, bits_out, block_out, stochastic, seed, offset)
-    return reference.reduce_requantize(bufs, n, bits_in, block_in, bits_out, block_out, stochastic, seed, offset)
+    return cpu.reduce_requantize(bufs, n, bits_in, block_in, bits_out, block_out, stochastic, seed, offset)
