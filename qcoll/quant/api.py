@@ -78,6 +78,11 @@ def dequantize(packed: Packed, out: torch.Tensor | None = None, dtype: torch.dty
     """
     if not isinstance(packed, Packed):
         raise TypeError(f"packed must be a qcoll Packed, got {type(packed).__name__}")
+    check_int(packed.numel, "packed.numel", minimum=0)
+    fmt.check_bits(packed.bits, "packed.bits")
+    fmt.check_block_size(packed.block_size, "packed.block_size")
+    if not isinstance(packed.data, torch.Tensor):
+        raise TypeError(f"packed.data must be a torch.Tensor, got {type(packed.data).__name__}")
     expected = fmt.packed_nbytes(packed.numel, packed.bits, packed.block_size)
     if packed.data.dtype != torch.uint8 or packed.data.numel() != expected:
         raise ValueError(
