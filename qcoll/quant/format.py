@@ -22,6 +22,7 @@ def qmax(bits: int) -> int:
 
 
 def check_bits(bits, name: str = "bits") -> int:
+    """``bits`` if it is one of :data:`VALID_BITS`, else ``TypeError``/``ValueError`` naming ``name``."""
     check_int(bits, name)
     if bits not in VALID_BITS:
         raise ValueError(f"{name} must be one of {VALID_BITS}, got {bits}")
@@ -29,6 +30,7 @@ def check_bits(bits, name: str = "bits") -> int:
 
 
 def check_block_size(block_size, name: str = "block_size") -> int:
+    """``block_size`` if it is a power of two in ``[MIN_BLOCK, MAX_BLOCK]``, else ``TypeError``/``ValueError``."""
     check_int(block_size, name)
     if not (MIN_BLOCK <= block_size <= MAX_BLOCK) or block_size & (block_size - 1):
         raise ValueError(
@@ -38,10 +40,12 @@ def check_block_size(block_size, name: str = "block_size") -> int:
 
 
 def check_seed(seed, name: str = "seed") -> int:
+    """``seed`` if it is an int in ``[0, 2**32)``, else ``TypeError``/``ValueError`` naming ``name``."""
     return check_int(seed, name, minimum=0, maximum=SEED_LIMIT - 1)
 
 
 def check_float_tensor(x, name: str) -> torch.Tensor:
+    """``x`` if it is a float32, bfloat16 or float16 tensor, else ``TypeError`` naming ``name``."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
@@ -50,10 +54,12 @@ def check_float_tensor(x, name: str) -> torch.Tensor:
 
 
 def num_blocks(numel: int, block_size: int) -> int:
+    """Blocks (scales) of a row of ``numel`` elements, the last one possibly partial."""
     return -(-numel // block_size)
 
 
 def block_code_bytes(bits: int, block_size: int) -> int:
+    """Bytes of one block's codes."""
     return block_size * bits // 8
 
 
