@@ -6,6 +6,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
+from ..checks import check_bool, check_int
 from .c10d import reduce_scatter_flat
 from ..quant import format as fmt
 from ..quant import rows
@@ -126,10 +127,8 @@ def reduce_scatter_quantized(
     validate.check_async(async_op)
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
-        raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
-    if not isinstance(stochastic, bool):
-        raise TypeError(f"stochastic must be a bool, got {stochastic!r}")
+    check_int(num_chunks, "num_chunks", minimum=1)
+    check_bool(stochastic, "stochastic")
     fmt.check_seed(seed)
     W = topology.world_size
     S = output.numel()
