@@ -4,9 +4,9 @@ Run: python bench/codec_throughput.py [--device cpu|cuda] [--mib 64] [--repeat 5
 Prints the median seconds and GB/s (input fp32 bytes / time) of each, and the
 ratio to copy_ measured in the same run. Dequantize is timed twice: returning a
 fresh tensor (whose pages the OS must fault in and zero, which copy_ into an
-existing tensor never pays) and into an existing ``out``, as the collectives use it. On CPU it times the torch reference
-(its torch.compile'd path included); on CUDA the kernels that qcoll.quant.rows
-dispatches to (CUDA events, after a warm-up that compiles them), plus the qgZ
+existing tensor never pays) and into an existing ``out``, as the collectives use it. It times what
+qcoll.quant.rows runs: on CPU qcoll.quant.cpu (the torch.compile'd path where it applies, else the
+torch reference); on CUDA the kernels (CUDA events, after a warm-up that compiles them), plus the qgZ
 kernels (swizzle+quantize, reduce+requantize of 4 inputs).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from qcoll.quant import reference, rows
+from qcoll.quant import rows
 
 
 def _once(fn, device) -> float:
@@ -53,7 +53,7 @@ def main():
     ap.add_argument("--bits", type=int, nargs="+", default=[8, 4])
     a = ap.parse_args()
     dev = a.device
-    codec = rows if dev == "cuda" else reference
+    codec = rows
     n = a.mib * 2**20 // 4
     x = torch.randn(1, n, device=dev)
     dst = torch.empty_like(x)

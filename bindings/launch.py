@@ -2,8 +2,8 @@
 
 Pointers are passed zero-copy (``tensor.data_ptr()`` as a 64-bit kernel argument);
 kernels run on ``torch.cuda.current_stream()``. CuPy is imported lazily, so this
-module imports on machines without a GPU. Inputs are validated here; outputs are
-allocated by the caller-facing functions in :mod:`qcoll.bindings.ops`.
+module imports on machines without a GPU. Arguments were checked by the public entry
+points; outputs are allocated by the functions in :mod:`qcoll.bindings.ops`.
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ def _cupy():
 
 
 def device_arch(device: torch.device) -> str:
+    """The ``sm_XY`` architecture NVRTC compiles for, of CUDA ``device``."""
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}"
 
@@ -100,6 +101,7 @@ class _StreamHandle:
 
 
 def _launch(name: str, device: torch.device, work_items: int, per_cta: int, args) -> None:
+    assert device.type == "cuda", device  # rows.py sends only CUDA tensors here
     if work_items <= 0:
         return
     cp = _cupy()
@@ -125,18 +127,9 @@ def _vec_ok(t: torch.Tensor, n: int) -> int:
     return int(t.data_ptr() % 16 == 0 and n % 8 == 0)
 
 
-def _check_cuda(t: torch.Tensor, name: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_cuda:
-        raise ValueError(f"{name} must be a CUDA tensor for the qcoll CUDA kernels, got device {t.device}")
-
-
-def packed_input(buf: torch.Tensor, name: str) -> torch.Tensor:
-    """A uint8, contiguous, 4-byte aligned packed buffer (copied only when needed)."""
-    _check_cuda(buf, name)
-    if buf.dtype != torch.uint8:
-        raise TypeError(f"{name} must be uint8, got {buf.dtype}")
+def packed_input(buf: torch.Tensor) -> torch.Tensor:
+    """uint8 packed rows ``[..., nbytes]`` as the kernels read them: contiguous and 4-byte
+    aligned (the fp32 scales), copied only when needed."""
     buf = buf.contiguous()
     if buf.data_ptr() % 4:
         buf = buf.clone()  # fresh allocations are 256-byte aligned

@@ -49,18 +49,22 @@ def normalize_arch(arch) -> str:
 
 
 def nvrtc_version() -> tuple[int, int]:
+    """(major, minor) of the NVRTC that CuPy loads."""
     return tuple(_nvrtc().getVersion())
 
 
 def cache_dir() -> Path:
+    """Where compiled cubins are kept: ``$QCOLL_CACHE_DIR``, else ``~/.cache/qcoll``."""
     return Path(os.environ.get("QCOLL_CACHE_DIR") or Path.home() / ".cache" / "qcoll")
 
 
 def options_for(arch: str) -> tuple[str, ...]:
+    """The NVRTC options for ``arch`` (any form :func:`normalize_arch` takes)."""
     return BASE_OPTIONS + (f"--gpu-architecture={normalize_arch(arch)}",)
 
 
 def cache_key(source: str, arch: str) -> str:
+    """32 hex digits naming a cubin: the source, every header, the options and the NVRTC version."""
     h = hashlib.sha256()
     h.update(sources.read_source(source).encode())
     for name, text in sorted(sources.headers().items()):

@@ -1,11 +1,17 @@
-"""The custom ops of qcoll.bindings on CPU tensors: registration, tracing, the eager shortcut.
+"""qcoll.bindings.ops without a GPU: the custom ops' registration and tracing, the eager path.
 
-On CPU the ops run the torch reference, so everything here runs without a GPU: the schemas
-and fake implementations (``torch.library.opcheck``), torch.compile through the ops, and the
-eager shortcut that calls the implementation without the dispatcher.
+The bindings are CUDA only: their ops are registered for CUDA and their implementations
+launch kernels. To exercise everything but the kernels here, the ``cpu_stand_in`` fixture
+registers each op's own implementation for CPU tensors too (for the test's duration) and
+replaces the five launchers with stand-ins that write the torch reference's result into
+the implementation's ``out``. So the schemas and fake implementations
+(``torch.library.opcheck``), torch.compile, jit.trace, dispatch modes and the profiler run
+through the real ops.py code; tests/test_cuda_kernels.py checks the kernels themselves.
 """
 from __future__ import annotations
 
+import ast
+import pathlib
 import types
 
 import pytest
@@ -14,6 +20,46 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from qcoll.bindings import launch, ops
 from qcoll.quant import reference
+
+OP_NAMES = ("quantize_rows", "dequantize_rows", "swizzle_quantize", "dequantize_reduce", "reduce_requantize")
+
+
+def _stand_ins(calls):
+    """CPU stand-ins for the launchers: the reference's values written into ``out``; each call is
+    appended to ``calls``."""
+    def record(name, fn):
+        def launcher(*args):
+            calls.append(name)
+            fn(*args)
+        return launcher
+
+    return {
+        "quantize_rows_into": record("quantize_rows", lambda x, out, bits, block, st, seed, off: out.copy_(
+            reference.quantize_rows(x, bits, block, st, seed, off))),
+        "swizzle_quantize_into": record("swizzle_quantize", lambda x, out, nodes, local, s, bits, block, st, seed,
+                                        off: out.copy_(reference.swizzle_quantize(x, nodes, local, bits, block, st,
+                                                                                  seed, off))),
+        "dequantize_rows_into": record("dequantize_rows", lambda buf, out, n, bits, block: out.copy_(
+            reference.dequantize_rows(buf, n, bits, block, out.dtype))),
+        "dequantize_reduce_into": record("dequantize_reduce", lambda bufs, out, n, bits, block: out.copy_(
+            reference.dequantize_reduce(bufs, n, bits, block))),
+        "reduce_requantize_into": record("reduce_requantize", lambda bufs, out, n, bi, bli, bo, blo, st, seed, off:
+                                         out.copy_(reference.reduce_requantize(bufs, n, bi, bli, bo, blo, st, seed,
+                                                                               off))),
+    }
+
+
+@pytest.fixture
+def cpu_stand_in(monkeypatch):
+    """The ops' implementations registered for CPU, the launchers replaced; yields the launch log."""
+    calls = []
+    for name, fn in _stand_ins(calls).items():
+        monkeypatch.setattr(launch, name, fn)
+    lib = torch.library.Library(ops.NAMESPACE, "IMPL")
+    for name in OP_NAMES:
+        lib.impl(name, getattr(ops, f"_{name}_impl"), "CPU")
+    yield calls
+    lib._destroy()
 
 
 def _inputs(seed=0):
@@ -39,20 +85,23 @@ IDS = [c[0] for c in CASES]
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_public_function_matches_reference(case):
+def test_public_function_allocates_and_launches_once(case, cpu_stand_in):
+    """Each public function allocates the output the launcher fills (shape, dtype) and passes the
+    arguments through in the launcher's order: one launch, the reference's bytes."""
     name, public, _, args = case
     assert torch.equal(public(*args), getattr(reference, name)(*args))
+    assert cpu_stand_in == [name]
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_opcheck(case):
+def test_opcheck(case, cpu_stand_in):
     """Schema, fake implementation and AOT dispatch agree with the real implementation."""
     _, _, op_name, args = case
     torch.library.opcheck(getattr(ops, op_name), args)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_eager_skips_the_dispatcher(case, monkeypatch):
+def test_eager_skips_the_dispatcher(case, monkeypatch, cpu_stand_in):
     name, public, op_name, args = case
 
     def refuse(*a):
@@ -73,7 +122,7 @@ class _Record(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_modes_see_the_op(case):
+def test_modes_see_the_op(case, cpu_stand_in):
     """Under a dispatch mode (as under make_fx, FakeTensor, profilers) the call is the op."""
     name, public, _, args = case
     with _Record() as rec:
@@ -82,7 +131,7 @@ def test_modes_see_the_op(case):
     assert torch.equal(got, getattr(reference, name)(*args))
 
 
-def test_compiled_round_trip_matches_eager():
+def test_compiled_round_trip_matches_eager(cpu_stand_in):
     """torch.compile (fullgraph) traces through the ops' fake implementations."""
     def round_trip(x):
         packed = ops.quantize_rows(x, 4, 64, False, 0, 0)
@@ -119,7 +168,7 @@ def _round_trip(x):
     return ops.dequantize_rows(packed, 200, 4, 64, torch.float32)  # (under jit.trace shapes are tensors)
 
 
-def test_jit_trace_records_the_ops():
+def test_jit_trace_records_the_ops(cpu_stand_in):
     x = torch.randn(2, 200, generator=torch.Generator().manual_seed(2))
     traced = torch.jit.trace(_round_trip, (x,), check_trace=False)
     graph = str(traced.graph)
@@ -128,9 +177,46 @@ def test_jit_trace_records_the_ops():
     assert torch.equal(traced(y), _round_trip(y))
 
 
-def test_profiler_shows_the_ops():
+def test_profiler_shows_the_ops(cpu_stand_in):
     x = torch.randn(2, 200)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         _round_trip(x)
     names = {e.key for e in prof.key_averages()}
     assert {"qcoll::quantize_rows", "qcoll::dequantize_rows"} <= names, sorted(names)
+
+
+def test_dequantize_rows_into_writes_out(cpu_stand_in):
+    buf = reference.quantize_rows(torch.randn(2, 100), 4, 32)
+    out = torch.full((2, 200), 7.0, dtype=torch.float16)[:, ::2]
+    assert ops.dequantize_rows_into(buf, 100, 4, 32, out) is out
+    assert torch.equal(out, reference.dequantize_rows(buf, 100, 4, 32, torch.float16))
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_ops_are_registered_for_cuda_only(case):
+    """Without the stand-in a CPU tensor reaching an op finds no kernel (no silent CPU fallback)."""
+    _, _, op_name, args = case
+    with pytest.raises(NotImplementedError, match="CPU"):
+        getattr(ops, op_name)(*args)
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            names.update(base + ("" if base.endswith(".") else ".") + a.name for a in node.names)
+    return names
+
+
+def test_bindings_and_reference_do_not_import_each_other():
+    """bindings knows the wire format's constants (qcoll.quant.format), not the codec's torch code;
+    the reference imports neither the bindings nor the compiled path."""
+    bindings = pathlib.Path(ops.__file__).parent
+    for path in bindings.glob("*.py"):
+        bad = {m for m in _imports(path) if m.startswith("qcoll.quant") and not m.startswith("qcoll.quant.format")}
+        assert not bad, (path.name, bad)
+    ref = _imports(pathlib.Path(reference.__file__))
+    assert not {m for m in ref if "compiled" in m or "cpu" in m or "bindings" in m or "rows" in m}, ref

@@ -1,8 +1,8 @@
-"""The torch.compile'd CPU fast path is byte-identical to the eager reference."""
+"""The torch.compile'd CPU fast path (qcoll.quant.cpu) is byte-identical to the eager reference."""
 import pytest
 import torch
 
-from qcoll.quant import compiled, reference
+from qcoll.quant import compiled, cpu, reference
 
 
 def _same(a, b):
@@ -15,6 +15,10 @@ def _same(a, b):
     (6, 3, 64, torch.bfloat16),
 ])
 def test_compiled_fast_path_matches_eager(monkeypatch, bits, rows, block, dtype):
+    taken = []  # what the compiled path returned: a tensor / True when it ran, None / False when it declined
+    for name in ("quantize_rows", "dequantize_rows_into"):
+        real = getattr(compiled, name)
+        monkeypatch.setattr(compiled, name, lambda *a, _real=real: taken.append(_real(*a)) or taken[-1])
     n = compiled.MIN_NUMEL // rows + 77  # a partial last block
     g = torch.Generator().manual_seed(bits)
     x = torch.randn(rows, n, generator=g) * torch.logspace(-3, 3, n).unsqueeze(0)
@@ -22,13 +26,16 @@ def test_compiled_fast_path_matches_eager(monkeypatch, bits, rows, block, dtype)
     x[0, 1024 + 5] = float("nan")
     x[-1, 4096 + 9] = float("-inf")
     assert compiled.enabled(x.device, x.numel())
-    fast = reference.quantize_rows(x, bits, block)
-    fast_deq = reference.dequantize_rows(fast, n, bits, block, dtype)
+    fast = cpu.quantize_rows(x, bits, block)
+    fast_deq = cpu.dequantize_rows(fast, n, bits, block, dtype)
     into = torch.full((rows, 2 * n), 7.0, dtype=dtype)[:, ::2]  # a strided out
-    reference.dequantize_rows_into(fast, n, bits, block, into)
+    cpu.dequantize_rows_into(fast, n, bits, block, into)
     assert not compiled._broken
+    assert len(taken) == 3 and all(t is True or isinstance(t, torch.Tensor) for t in taken), taken
     monkeypatch.setenv("QCOLL_COMPILE", "0")
     assert not compiled.enabled(x.device, x.numel())
+    assert torch.equal(cpu.quantize_rows(x, bits, block), fast) and len(taken) == 3  # QCOLL_COMPILE=0: the reference
+    monkeypatch.delenv("QCOLL_COMPILE")
     eager = reference.quantize_rows(x, bits, block)
     eager_deq = reference.dequantize_rows(eager, n, bits, block, dtype)
     assert torch.equal(fast, eager)
@@ -37,10 +44,12 @@ def test_compiled_fast_path_matches_eager(monkeypatch, bits, rows, block, dtype)
     assert _same(eager_deq, reference.dequantize_rows(eager, n, bits, block, torch.float32).to(dtype))
 
 
-def test_dequantize_into_rejects_a_wrong_out_shape():
-    buf = reference.quantize_rows(torch.randn(2, 100), 8, 64)
-    with pytest.raises(ValueError, match=r"out must have shape \(2, 100\)"):
-        reference.dequantize_rows_into(buf, 100, 8, 64, torch.empty(2, 99))
+@pytest.mark.parametrize("n", [100, compiled.MIN_NUMEL])
+def test_dequantize_into_rejects_a_wrong_out_shape(n):
+    buf = reference.quantize_rows(torch.randn(2, n), 8, 64)
+    for codec in (reference, cpu):
+        with pytest.raises(ValueError, match=rf"out must have shape \(2, {n}\)"):
+            codec.dequantize_rows_into(buf, n, 8, 64, torch.empty(2, n - 1))
 
 
 @pytest.mark.parametrize("bits", [8, 4])

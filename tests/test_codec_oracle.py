@@ -74,6 +74,18 @@ def test_bad_arguments_name_the_argument(kwargs, word):
         qcoll.quantize(torch.randn(10), **kwargs)
 
 
+@pytest.mark.parametrize("field,value,word", [("bits", 3, "packed.bits"), ("bits", True, "packed.bits"),
+                                              ("block_size", 100, "packed.block_size"), ("numel", -1, "packed.numel"),
+                                              ("numel", 10.0, "packed.numel"), ("data", b"\\0" * 44, "packed.data")])
+def test_dequantize_checks_what_a_hand_made_packed_holds(field, value, word):
+    """qcoll.dequantize is the entry point that checks a Packed (the layers below trust their arguments)."""
+    import dataclasses
+
+    bad = dataclasses.replace(qcoll.quantize(torch.randn(10), bits=8, block_size=32), **{field: value})
+    with pytest.raises((ValueError, TypeError), match=word):
+        qcoll.dequantize(bad)
+
+
 def test_bad_input_and_out():
     with pytest.raises(TypeError, match="x"):
         qcoll.quantize(torch.arange(10))

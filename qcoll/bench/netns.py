@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 
+from ..checks import check_int
 from .linkmeter import LinkMeter, hub_link_stats
 
 SUBNET = "10.213.7"          # /24, used only inside the cluster's namespaces
@@ -124,8 +125,7 @@ class Network:
     """
 
     def __init__(self, nodes: int, rate_bits: int | None = None, delay_s: float | None = None):
-        if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= MAX_NODES:
-            raise ValueError(f"nodes must be an int in 1..{MAX_NODES}, got {nodes!r}")
+        check_int(nodes, "nodes", minimum=1, maximum=MAX_NODES)
         self.nodes = nodes
         self.rate_bits = rate_bits
         self.delay_s = delay_s

@@ -6,6 +6,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
+from ..checks import check_bool, check_int
 from .c10d import reduce_scatter_flat
 from ..quant import format as fmt
 from ..quant import outliers as reserve
@@ -138,12 +139,9 @@ def reduce_scatter_quantized(
     validate.check_async(async_op)
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
-        raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
-    if not isinstance(stochastic, bool):
-        raise TypeError(f"stochastic must be a bool, got {stochastic!r}")
-    if not isinstance(hadamard, bool):
-        raise TypeError(f"hadamard must be a bool, got {hadamard!r}")
+    check_int(num_chunks, "num_chunks", minimum=1)
+    check_bool(stochastic, "stochastic")
+    check_bool(hadamard, "hadamard")
     if hadamard and bits is None:
         raise ValueError("hadamard=True needs quantized gradients (bits is None)")
     outliers = reserve.check_outliers(outliers, block_size)

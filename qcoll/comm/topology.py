@@ -7,6 +7,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..checks import check_int
+
 _current: "Topology | None" = None
 
 
@@ -43,8 +45,7 @@ class Topology:
         self.rank = dist.get_rank()
         if ranks_per_node is None:
             ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-            raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
+        check_int(ranks_per_node, "ranks_per_node", minimum=1)
         if self.world_size % ranks_per_node:
             raise ValueError(
                 f"world size {self.world_size} is not divisible by ranks_per_node={ranks_per_node}"

@@ -11,6 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..checks import check_bool
 from .c10d import all_gather_flat
 from ..quant import format as fmt
 from .errors import RankMismatchError
@@ -54,8 +55,7 @@ def check_hop_bits(bits, block_size) -> tuple[int, int] | None:
 
 
 def check_async(async_op) -> None:
-    if not isinstance(async_op, bool):
-        raise TypeError(f"async_op must be a bool, got {async_op!r}")
+    check_bool(async_op, "async_op")
 
 
 def check_group(group, name: str = "group") -> None:

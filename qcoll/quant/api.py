@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_bool, check_int
 from . import format as fmt
 from . import rows
 
@@ -61,8 +62,7 @@ def quantize(
     fmt.check_float_tensor(x, "x")
     fmt.check_bits(bits)
     fmt.check_block_size(block_size)
-    if not isinstance(stochastic, bool):
-        raise TypeError(f"stochastic must be a bool, got {stochastic!r}")
+    check_bool(stochastic, "stochastic")
     fmt.check_seed(seed)
     flat = x.contiguous().reshape(1, -1)
     data = rows.quantize_rows(flat, bits, block_size, stochastic, seed).reshape(-1)
@@ -78,6 +78,11 @@ def dequantize(packed: Packed, out: torch.Tensor | None = None, dtype: torch.dty
     """
     if not isinstance(packed, Packed):
         raise TypeError(f"packed must be a qcoll Packed, got {type(packed).__name__}")
+    check_int(packed.numel, "packed.numel", minimum=0)
+    fmt.check_bits(packed.bits, "packed.bits")
+    fmt.check_block_size(packed.block_size, "packed.block_size")
+    if not isinstance(packed.data, torch.Tensor):
+        raise TypeError(f"packed.data must be a torch.Tensor, got {type(packed.data).__name__}")
     expected = fmt.packed_nbytes(packed.numel, packed.bits, packed.block_size)
     if packed.data.dtype != torch.uint8 or packed.data.numel() != expected:
         raise ValueError(
@@ -107,8 +112,7 @@ def dequantize(packed: Packed, out: torch.Tensor | None = None, dtype: torch.dty
 
 def packed_nbytes(numel: int, bits: int, block_size: int) -> int:
     """Bytes of the packed buffer for ``numel`` elements (validates its arguments)."""
-    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+    check_int(numel, "numel", minimum=0)
     return fmt.packed_nbytes(numel, fmt.check_bits(bits), fmt.check_block_size(block_size))
 
 

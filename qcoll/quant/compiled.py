@@ -1,10 +1,13 @@
 """torch.compile'd CPU fast path for large round-to-nearest quantize and for dequantize.
 
-The fused loops run the same fp32 operations as :mod:`qcoll.quant.reference`
-(no additions are involved in round-to-nearest, so no multiply-add contraction can
-change a bit) and are checked against it in tests. Used for CPU tensors of at
-least ``MIN_NUMEL`` elements; ``QCOLL_COMPILE=0`` turns it off, and any compile
-failure falls back to the eager reference for the rest of the process.
+Beside the reference, not inside it: :mod:`qcoll.quant.cpu` calls it when :func:`enabled`
+and falls back to :mod:`qcoll.quant.reference` when it returns None/False. The fused loops
+run the same fp32 operations as the reference (the scaling loop *is* the reference's
+:func:`~qcoll.quant.reference.scale_into`, compiled; no additions are involved in
+round-to-nearest, so no multiply-add contraction can change a bit) and are checked against
+it in tests. Used for CPU tensors of at least ``MIN_NUMEL`` elements; ``QCOLL_COMPILE=0``
+turns it off, and any compile failure falls back to the eager reference for the rest of
+the process.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 
 from . import format as fmt
 from .bitpack import pack_codes, unpack_codes
+from .reference import pad_blocks, row_sections, scale_into, scale_rows_into
 
 MIN_NUMEL = 1 << 20
 _broken = False
@@ -42,13 +46,6 @@ def _quantize_blocks(xb: torch.Tensor, qmaxv: float, bits: int):
     if bits == 8:   # packing is a view
         codes = codes.view(torch.uint8)
     return codes, bits_.view(torch.uint8).reshape(xb.shape[0], -1), tiny
-
-
-def scale_into(q3: torch.Tensor, scales: torch.Tensor, out3: torch.Tensor) -> torch.Tensor:
-    """int8 codes ``[rows, nb, w]`` x fp32 scales ``[rows, nb]`` -> ``out3`` (any float dtype),
-    saturated to the fp32 range. ``w`` is the block size (or a last block's length)."""
-    v = q3.to(torch.float32) * scales.unsqueeze(-1)
-    return out3.copy_(v.clamp(-fmt.FLT_MAX, fmt.FLT_MAX))
 
 
 # Sub-byte packing and unpacking are compiled as graphs of their own: fused with
@@ -84,6 +81,15 @@ def _call(name, *args):
         return None
 
 
+def quantize_rows(x: torch.Tensor, bits: int, block_size: int) -> torch.Tensor | None:
+    """Round-to-nearest: float ``[rows, n]`` -> uint8 ``[rows, packed_nbytes(n)]``, or None where
+    the reference must run (a compiler failure, or blocks in the subnormal range)."""
+    fast = quantize_blocks(pad_blocks(x.to(torch.float32), block_size), bits)
+    if fast is None or bool(fast[2]):
+        return None
+    return torch.cat(fast[:2], dim=1)
+
+
 def quantize_blocks(xb: torch.Tensor, bits: int):
     """Padded fp32 ``[rows, nb, block]`` -> (packed codes, scale bytes, any_tiny) or None on failure."""
     out = _call("quantize", xb, float(fmt.qmax(bits)), bits)
@@ -93,28 +99,17 @@ def quantize_blocks(xb: torch.Tensor, bits: int):
     return None if codes is None else (codes, *out[1:])
 
 
-def scale_rows_into(q: torch.Tensor, scales: torch.Tensor, block_size: int, out: torch.Tensor,
-                    full_blocks=scale_into) -> bool:
-    """int8 codes ``[rows, >= n]``, fp32 scales ``[rows, nb]`` -> ``out`` ``[rows, n]`` (its last
-    dimension contiguous): the whole blocks through ``full_blocks`` (:func:`scale_into` or its
-    compiled twin; None from it means failure), the partial last block eagerly."""
-    rows, n = out.shape
-    full = n // block_size
-    if full:
-        q3 = q[:, : full * block_size].view(rows, full, block_size)
-        out3 = out[:, : full * block_size].view(rows, full, block_size)
-        if full_blocks(q3, scales[:, :full], out3) is None:
-            return False
-    if n > full * block_size:
-        scale_into(q[:, full * block_size: n].unsqueeze(1), scales[:, full: full + 1],
-                   out[:, full * block_size:].unsqueeze(1))
-    return True
-
-
 def _scale_compiled(q3: torch.Tensor, scales: torch.Tensor, out3: torch.Tensor):
     for t in (q3, out3):
         torch._dynamo.mark_static(t, 2)  # the block size: see above
     return _call("scale", q3, scales, out3)
+
+
+def dequantize_rows_into(buf: torch.Tensor, n: int, bits: int, block_size: int, out: torch.Tensor) -> bool:
+    """uint8 ``[..., packed_nbytes(n)]`` -> ``out`` ``[..., n]``, contiguous and not sharing
+    ``buf``'s storage (see :func:`qcoll.quant.reference.direct_out`). False on a compiler failure."""
+    codes, scales = row_sections(buf, n, bits, block_size)
+    return dequantize_into(codes, scales, bits, block_size, out.view(codes.shape[0], n))
 
 
 def dequantize_into(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import check_int
+
 VALID_BITS = (8, 6, 4, 2)
 MIN_BLOCK, MAX_BLOCK = 32, 4096
 DEFAULT_WEIGHT_BLOCK = 256
@@ -20,16 +22,16 @@ def qmax(bits: int) -> int:
 
 
 def check_bits(bits, name: str = "bits") -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int):
-        raise TypeError(f"{name} must be an int in {VALID_BITS}, got {bits!r} ({type(bits).__name__})")
+    """``bits`` if it is one of :data:`VALID_BITS`, else ``TypeError``/``ValueError`` naming ``name``."""
+    check_int(bits, name)
     if bits not in VALID_BITS:
         raise ValueError(f"{name} must be one of {VALID_BITS}, got {bits}")
     return bits
 
 
 def check_block_size(block_size, name: str = "block_size") -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise TypeError(f"{name} must be an int, got {block_size!r} ({type(block_size).__name__})")
+    """``block_size`` if it is a power of two in ``[MIN_BLOCK, MAX_BLOCK]``, else ``TypeError``/``ValueError``."""
+    check_int(block_size, name)
     if not (MIN_BLOCK <= block_size <= MAX_BLOCK) or block_size & (block_size - 1):
         raise ValueError(
             f"{name} must be a power of two in [{MIN_BLOCK}, {MAX_BLOCK}], got {block_size}"
@@ -38,14 +40,12 @@ def check_block_size(block_size, name: str = "block_size") -> int:
 
 
 def check_seed(seed, name: str = "seed") -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"{name} must be an int, got {seed!r} ({type(seed).__name__})")
-    if not 0 <= seed < SEED_LIMIT:
-        raise ValueError(f"{name} must be in [0, 2**32), got {seed}")
-    return seed
+    """``seed`` if it is an int in ``[0, 2**32)``, else ``TypeError``/``ValueError`` naming ``name``."""
+    return check_int(seed, name, minimum=0, maximum=SEED_LIMIT - 1)
 
 
 def check_float_tensor(x, name: str) -> torch.Tensor:
+    """``x`` if it is a float32, bfloat16 or float16 tensor, else ``TypeError`` naming ``name``."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
@@ -54,10 +54,12 @@ def check_float_tensor(x, name: str) -> torch.Tensor:
 
 
 def num_blocks(numel: int, block_size: int) -> int:
+    """Blocks (scales) of a row of ``numel`` elements, the last one possibly partial."""
     return -(-numel // block_size)
 
 
 def block_code_bytes(bits: int, block_size: int) -> int:
+    """Bytes of one block's codes."""
     return block_size * bits // 8
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import check_int
 from . import format as fmt
 from . import rows
 
@@ -23,11 +24,7 @@ MAX_OUTLIERS = 8
 
 def check_outliers(k, block_size: int, name: str = "outliers") -> int:
     """``k`` as an int in [0, min(MAX_OUTLIERS, block_size)]; TypeError/ValueError naming ``name``."""
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"{name} must be an int, got {k!r} ({type(k).__name__})")
-    if not 0 <= k <= min(MAX_OUTLIERS, block_size):
-        raise ValueError(f"{name} must be in [0, {MAX_OUTLIERS}], got {k}")
-    return k
+    return check_int(k, name, minimum=0, maximum=min(MAX_OUTLIERS, block_size))
 
 
 def positions_nbytes(n: int, block_size: int, k: int) -> int:

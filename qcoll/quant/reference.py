@@ -1,21 +1,24 @@
-"""Torch reference implementation of the wire format, vectorized, for any device.
+"""Torch reference implementation of the wire format (docs/FORMAT.md): the oracle.
+
+Plain eager torch, vectorized, for any device; the CUDA kernels (:mod:`qcoll.bindings`) and
+the compiled CPU path (:mod:`qcoll.quant.compiled`) must reproduce its bytes. It imports
+neither: :mod:`qcoll.quant.rows` picks which one runs.
 
 Everything works on *rows*: a 2-D input ``[rows, n]`` becomes ``rows`` packed
 buffers of identical size, each quantized on its own (its own padding, element
 indices restarting at ``offset``). A plain tensor is one row; qgZ's destination
-slices are many.
+slices are many. Arguments are not checked here (the public entry points do that).
 """
 from __future__ import annotations
 
 import torch
 
-from . import compiled
 from . import format as fmt
 from .bitpack import pack_codes, unpack_codes
 from .rng import uniform
 
 
-def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+def pad_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """fp32 ``[rows, n]`` -> zero-padded ``[rows, num_blocks, block_size]``."""
     rows, n = x.shape
     nb = fmt.num_blocks(n, block_size)
@@ -38,11 +41,7 @@ def quantize_rows(
     ``offset`` is the element index of column 0 for the stochastic-rounding hash.
     """
     rows, n = x.shape
-    xb = _blocks(x.to(torch.float32), block_size)
-    if not stochastic and compiled.enabled(x.device, x.numel()):
-        fast = compiled.quantize_blocks(xb, bits)
-        if fast is not None and not bool(fast[2]):  # blocks in the subnormal range take the eager path
-            return torch.cat(fast[:2], dim=1)
+    xb = pad_blocks(x.to(torch.float32), block_size)
     absmax = xb.abs().amax(dim=-1) if n else xb.new_zeros(rows, 0)
     finite = torch.isfinite(absmax)
     qm = torch.full_like(absmax, fmt.qmax(bits))
@@ -85,21 +84,54 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 def dequantize_rows_into(buf: torch.Tensor, n: int, bits: int, block_size: int, out: torch.Tensor) -> torch.Tensor:
     """uint8 ``[..., packed_nbytes(n)]`` -> ``out`` ``[..., n]`` (fp32, bf16 or fp16), values
     saturated to the fp32 range, converted to ``out``'s dtype; returns ``out``."""
+    if not direct_out(buf, n, out):
+        return out if out.numel() == 0 else out.copy_(dequantize_rows_fp32(buf, n, bits, block_size))
+    codes, scales = row_sections(buf, n, bits, block_size)
+    scale_rows_into(unpack_codes(codes, bits), scales, block_size, out.view(codes.shape[0], n))
+    return out
+
+
+def direct_out(buf: torch.Tensor, n: int, out: torch.Tensor) -> bool:
+    """Whether values can be written straight into ``out``, which must be ``[..., n]`` for ``buf``'s
+    rows (else ``ValueError``): False when ``out`` is empty, not contiguous or shares ``buf``'s storage."""
     lead = buf.shape[:-1]
     if tuple(out.shape) != (*lead, n):
         raise ValueError(f"out must have shape {(*lead, n)}, got {tuple(out.shape)}")
-    if out.numel() == 0:
-        return out
-    if not out.is_contiguous() or _shares_memory(out, buf):
-        return out.copy_(dequantize_rows_fp32(buf, n, bits, block_size))
+    return out.numel() > 0 and out.is_contiguous() and not _shares_memory(out, buf)
+
+
+def row_sections(buf: torch.Tensor, n: int, bits: int, block_size: int):
+    """uint8 ``[..., nbytes]`` -> codes ``[rows, codes_nbytes]`` and fp32 scales ``[rows, num_blocks]``
+    (the leading dimensions flattened into ``rows``)."""
     codes, scales = split_rows(buf, n, bits, block_size)
     codes = codes.reshape(-1, codes.shape[-1])
-    scales = scales.reshape(codes.shape[0], -1)
-    flat = out.view(codes.shape[0], n)
-    if compiled.enabled(buf.device, flat.numel()) and compiled.dequantize_into(codes, scales, bits, block_size, flat):
-        return out
-    compiled.scale_rows_into(unpack_codes(codes, bits), scales, block_size, flat)
-    return out
+    return codes, scales.reshape(codes.shape[0], -1)
+
+
+def scale_into(q3: torch.Tensor, scales: torch.Tensor, out3: torch.Tensor) -> torch.Tensor:
+    """int8 codes ``[rows, nb, w]`` x fp32 scales ``[rows, nb]`` -> ``out3`` (any float dtype),
+    saturated to the fp32 range. ``w`` is the block size (or a last block's length)."""
+    v = q3.to(torch.float32) * scales.unsqueeze(-1)
+    return out3.copy_(v.clamp(-fmt.FLT_MAX, fmt.FLT_MAX))
+
+
+def scale_rows_into(q: torch.Tensor, scales: torch.Tensor, block_size: int, out: torch.Tensor,
+                    full_blocks=scale_into) -> bool:
+    """int8 codes ``[rows, >= n]``, fp32 scales ``[rows, nb]`` -> ``out`` ``[rows, n]`` (its last
+    dimension contiguous): the whole blocks through ``full_blocks`` (:func:`scale_into` or a
+    compiled twin; None from it means failure, and False is returned), the partial last block
+    through :func:`scale_into`."""
+    rows, n = out.shape
+    full = n // block_size
+    if full:
+        q3 = q[:, : full * block_size].view(rows, full, block_size)
+        out3 = out[:, : full * block_size].view(rows, full, block_size)
+        if full_blocks(q3, scales[:, :full], out3) is None:
+            return False
+    if n > full * block_size:
+        scale_into(q[:, full * block_size: n].unsqueeze(1), scales[:, full: full + 1],
+                   out[:, full * block_size:].unsqueeze(1))
+    return True
 
 
 def dequantize_rows_fp32(buf: torch.Tensor, n: int, bits: int, block_size: int) -> torch.Tensor:
@@ -122,14 +154,22 @@ def swizzle_quantize(
 
     Returns uint8 ``[L * N, packed_nbytes(S)]``: row ``l * N + n`` holds slice ``(n, l)``.
     """
+    return quantize_rows(swizzle_rows(x, nodes, local), bits, block_size, stochastic, seed, offset)
+
+
+def swizzle_rows(x: torch.Tensor, nodes: int, local: int) -> torch.Tensor:
+    """Flat ``x`` viewed as ``[N, L, S]`` -> ``[L * N, S]``, row ``l * N + n`` = slice ``(n, l)``."""
     s = x.numel() // (nodes * local)
-    rows = x.reshape(nodes, local, s).transpose(0, 1).reshape(local * nodes, s)
-    return quantize_rows(rows, bits, block_size, stochastic, seed, offset)
+    return x.reshape(nodes, local, s).transpose(0, 1).reshape(local * nodes, s)
 
 
 def dequantize_reduce(bufs: torch.Tensor, n: int, bits: int, block_size: int) -> torch.Tensor:
     """uint8 ``[k, rows, nbytes]`` -> fp32 ``[rows, n]``: the sum over k, accumulated in order."""
-    vals = dequantize_rows_fp32(bufs, n, bits, block_size)
+    return sum_in_order(dequantize_rows_fp32(bufs, n, bits, block_size))
+
+
+def sum_in_order(vals: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[k, rows, n]`` -> ``[rows, n]``: ``((v0 + v1) + v2) + ...``, the kernels' order."""
     acc = vals[0].clone()
     for j in range(1, vals.shape[0]):
         acc += vals[j]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..checks import check_int
 from .space import Space
 
 
@@ -42,8 +43,7 @@ class Tuner:
     def __init__(self, space: Space, seed: int = 0):
         if not isinstance(space, Space):
             raise TypeError(f"space must be a qcoll.tune.Space, got {type(space).__name__}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {seed!r}")
+        check_int(seed, "seed")
         self.space, self.seed = space, seed
         self.trials: list[Trial] = []
 
@@ -236,8 +236,7 @@ TUNERS = {"rrl": RRL, "random": RandomSearch, "tpe": TPE, "exhaustive": Exhausti
 def run(tuner: Tuner, measure, budget: int) -> list[dict]:
     """``budget`` rounds of ask, ``measure(config) -> (cost, feasible)``, tell; the history with
     the best feasible cost so far after each trial."""
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise ValueError(f"budget must be a positive int, got {budget!r}")
+    check_int(budget, "budget", minimum=1)
     history = []
     for n in range(budget):
         point = tuner.ask()

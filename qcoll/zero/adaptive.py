@@ -23,14 +23,13 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from ..checks import check_int
 from .optimizer import Optimizer
 from .state import state_of
 
 
 def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    return check_int(value, name, minimum=1)
 
 
 class AdaptiveBatch:

@@ -6,6 +6,7 @@ import warnings
 
 import torch
 
+from ..checks import check_bool, check_int
 from ..quant import format as fmt
 from ..quant import outliers as reserve
 
@@ -72,10 +73,8 @@ class ZeroConfig:
         fmt.check_block_size(self.weight_block, "weight_block")
         fmt.check_block_size(self.grad_block, "grad_block")
         for name in ("hpz", "stochastic_grad_rounding", "grad_hadamard"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"prefetch must be a non-negative int, got {self.prefetch!r}")
+            check_bool(getattr(self, name), name)
+        check_int(self.prefetch, "prefetch", minimum=0)
         if self.compute_dtype not in _COMPUTE_DTYPES:
             raise TypeError(f"compute_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, "
                             f"got {self.compute_dtype!r}")
@@ -114,8 +113,7 @@ class ZeroConfig:
             names = ", ".join([f"zero_optimization.{k}" for k in ignored] + ignored_top)
             warnings.warn(f"qcoll ZeroConfig.from_deepspeed ignores these DeepSpeed keys: {names}", stacklevel=2)
         hpz_size = section.get("zero_hpz_partition_size", 1)
-        if isinstance(hpz_size, bool) or not isinstance(hpz_size, int) or hpz_size < 1:
-            raise ValueError(f"zero_hpz_partition_size must be a positive int, got {hpz_size!r}")
+        check_int(hpz_size, "zero_hpz_partition_size", minimum=1)
         if hpz_size > 1 and ranks_per_node is not None and hpz_size != ranks_per_node:
             warnings.warn(f"zero_hpz_partition_size={hpz_size} differs from ranks_per_node={ranks_per_node}; "
                           f"qcoll uses the node ({ranks_per_node} ranks) as the hpZ secondary group", stacklevel=2)

@@ -27,7 +27,6 @@ typedef unsigned char qc_u8;
 typedef unsigned short qc_u16;
 typedef unsigned int qc_u32;
 typedef unsigned long long qc_u64;
-typedef long long qc_i64;
 
 #define QC_FLT_MAX 3.40282346638528859812e+38f
 #define QC_NAN_SCALE_BITS 0x7FC00000u

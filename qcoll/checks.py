@@ -1,0 +1,47 @@
+"""The integer and bool argument checks shared by every public entry point of qcoll.
+
+A leaf module (no qcoll imports). ``bool`` is rejected where an int is wanted (``True`` is
+an ``int`` to Python, never a valid count, size or seed here), and ``1`` where a bool is.
+"""
+from __future__ import annotations
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type. Both a ``TypeError`` and, for the callers that have
+    always caught ``ValueError`` from a "must be a positive int" check, a ``ValueError``."""
+
+
+def _describe(minimum: int | None, maximum: int | None) -> str:
+    if minimum is not None and maximum is not None:
+        return f"an int in [{minimum}, {maximum}]"
+    if maximum is not None:
+        return f"an int <= {maximum}"
+    if minimum == 0:
+        return "a non-negative int"
+    if minimum == 1:
+        return "a positive int"
+    if minimum is not None:
+        return f"an int >= {minimum}"
+    return "an int"
+
+
+def check_int(value, name: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` if it is an ``int`` (not a ``bool``) in ``[minimum, maximum]`` (either bound optional).
+
+    Raises :class:`ArgumentTypeError` (a ``TypeError`` and a ``ValueError``) for a non-int and
+    ``ValueError`` for an int out of range, both naming ``name`` and the value, e.g.
+    ``"num_chunks must be a positive int, got 0"``.
+    """
+    what = _describe(minimum, maximum)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ArgumentTypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return value
+
+
+def check_bool(value, name: str) -> bool:
+    """``value`` if it is a ``bool``; else ``TypeError`` naming ``name`` (``1`` and ``None`` are not bools)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
