@@ -184,15 +184,23 @@ def test_reduce_scatter_nan_reaches_owner_block(ranks4):
 
 
 # ---------------------------------------------------------------- byte accounting
-def qgz_two_stage(world, L, S, block, intra, inter, seed=0):
+def qgz_two_stage(world, L, S, block, intra, inter, seed=0, k=0, make=None):
     """What qgZ with ``bits=(intra, inter)`` must give every rank, bit for bit: the reference
     codec composed rank by rank in one process (swizzle-quantize, hop 1 to the node's ranks,
     dequantize-sum-requantize of each node's partial sums, hop 2 to the nodes, final sum)."""
     from qcoll.quant import reference as ref
+    from qcoll.quant import outliers as reserve
+    make = make or shard_of
     N = world // L
     b1 = intra if L > 1 else inter          # hop 1 runs only with several ranks per node
     b2 = inter if N > 1 else b1             # hop 2 only with several nodes
-    q1 = [ref.swizzle_quantize(shard_of(r, world * S, seed), N, L, b1, block) for r in range(world)]
+    if k:   # the outlier reserve's rows (checked against a float64 oracle in test_codec_outliers)
+        swizzle = lambda x, *a: reserve.swizzle_quantize(x, *a, k)  # noqa: E731
+        requantize = lambda b, n, bi, blk, bo, _: reserve.reduce_requantize(b, n, bi, bo, blk, k)  # noqa: E731
+        reduce = lambda b, n, bits, blk: reserve.dequantize_reduce(b, n, bits, blk, k)  # noqa: E731
+    else:
+        swizzle, requantize, reduce = ref.swizzle_quantize, ref.reduce_requantize, ref.dequantize_reduce
+    q1 = [swizzle(make(r, world * S, seed), N, L, b1, block) for r in range(world)]
     results = []
     for dst in range(world):
         n, l = divmod(dst, L)
@@ -202,10 +210,10 @@ def qgz_two_stage(world, L, S, block, intra, inter, seed=0):
             per_node = []
             for m in range(N):              # node m's partial sum of slice (n, l), requantized to b2
                 slices = torch.stack([q1[m * L + j][l * N:(l + 1) * N] for j in range(L)])
-                q2 = slices[0] if L == 1 else ref.reduce_requantize(slices, S, b1, block, b2, block)
+                q2 = slices[0] if L == 1 else requantize(slices, S, b1, block, b2, block)
                 per_node.append(q2[n:n + 1])
             got = torch.stack(per_node)
-        results.append(ref.dequantize_reduce(got, S, b2, block)[0] / world)
+        results.append(reduce(got, S, b2, block)[0] / world)
     return results
 
 
@@ -299,6 +307,45 @@ def test_hadamard_reduce_scatter_within_the_rotated_bound_and_smaller_than_plain
         rplain_err += float(np.sum((plain.double().numpy() - exact[dst]) ** 2))
     # spread spikes make smaller scales: the rotated reduction is more accurate on heavy-tailed data
     assert rhad_err <= 0.7 ** 2 * rplain_err, (rhad_err / rplain_err) ** 0.5
+
+
+def _outlier_collectives(rank, world, L, k):
+    topo = qcoll.Topology(L)
+    S, block = 700, 128
+    x = spiky(rank, world * S)
+    out, plain = torch.empty(S), torch.empty(S)
+    stats.reset()
+    qcoll.reduce_scatter_quantized(out, x, bits=4, block_size=block, topology=topo, op="avg", outliers=k)
+    qgz_bytes = stats.stats.intra_bytes + stats.stats.inter_bytes
+    qcoll.reduce_scatter_quantized(plain, x, bits=4, block_size=block, topology=topo, op="avg")
+    n = 300
+    fwd = torch.empty(world * n)
+    gathered = qcoll.all_gather_quantized(fwd, spiky(rank, n, seed=1), bits=2, block_size=64, outliers=k)
+    bwd = torch.full_like(fwd, float("nan"))
+    qcoll.replica_gather(bwd, qcoll.SecondaryShard.keep(gathered, topo))
+    return out, plain, qgz_bytes, fwd, bool(torch.equal(fwd, bwd))
+
+
+@pytest.mark.parametrize("L", [2, 1])
+def test_outlier_reserve_in_every_collective(ranks4, L):
+    from qcoll.quant import outliers as reserve
+    world, S, block, k = 4, 700, 128, 2
+    N = world // L
+    expected = qgz_two_stage(world, L, S, block, 4, 4, k=k, make=spiky)
+    exact = np.stack([spiky(r, world * S).double().numpy() for r in range(world)]).sum(axis=0).reshape(world, S)
+    err_k = err_plain = 0.0
+    for rank, (out, plain, qgz_bytes, fwd, replica_same) in enumerate(ranks4.run(_outlier_collectives, L, k)):
+        assert torch.equal(out, expected[rank])
+        frame = HEADER + reserve.packed_nbytes(S, 4, block, k)
+        assert qgz_bytes == (L - 1) * (HEADER + N * (frame - HEADER)) + (N - 1) * frame
+        err_k += float(np.sum((out.double().numpy() - exact[rank] / world) ** 2))
+        err_plain += float(np.sum((plain.double().numpy() - exact[rank] / world) ** 2))
+        for src in range(world):   # qwZ: every shard decodes as the codec's round trip of it; hpZ the same
+            shard = spiky(src, 300, seed=1).reshape(1, -1)
+            want = reserve.dequantize_rows_fp32(reserve.quantize_rows(shard, 2, 64, k), 300, 2, 64, k)[0]
+            assert torch.equal(fwd[src * 300:(src + 1) * 300], want)
+        assert replica_same
+    assert err_k < 0.5 * err_plain, (err_k / err_plain) ** 0.5   # spikes kept exactly: far smaller error
 
 
 def _bytes(rank, world):
