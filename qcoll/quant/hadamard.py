@@ -16,14 +16,9 @@ scale) shrinks towards its RMS; a non-finite element makes the whole block non-f
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-
-def rotation_scale(block: int) -> float:
-    """The fp32 normalization ``1 / sqrt(block)`` (as a Python float holding the fp32 value)."""
-    return float(torch.tensor(1.0 / math.sqrt(block), dtype=torch.float32))
+from .format import rotation_scale
 
 
 def hadamard_rows(x: torch.Tensor, block: int) -> torch.Tensor:

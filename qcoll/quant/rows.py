@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from . import cpu, hadamard, reference
+from . import cpu, reference
 
 BACKENDS = ("auto", "reference")
 
@@ -88,4 +88,4 @@ def reduce_requantize(bufs, n, bits_in, block_in, bits_out, block_out, stochasti
 
 def hadamard_rows(x, block_size) -> torch.Tensor:
     """fp32 ``[rows, n]``: every full block of each row Hadamard-rotated (self-inverse)."""
-    return hadamard.hadamard_rows(x, block_size)
+    return codec_for(x).hadamard_rows(x.to(torch.float32), block_size)
