@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 import qcoll
 from qcoll import zero
-from qcoll.bench.launch import run_ranks
+from qcoll.bench.ranks import run_ranks
 from qcoll.bench.textdata import Batches, stdlib_bytes
 from qcoll.bench.transformer import CharTransformer, TransformerConfig
 

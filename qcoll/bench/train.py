@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from . import adaptive, cli
-from .launch import run_ranks
+from .ranks import run_ranks
 from .linkmeter import LinkMeter
 
 NAME = "train"

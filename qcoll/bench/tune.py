@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import cli, progress, train
-from .launch import run_ranks
+from .ranks import run_ranks
 
 NAME = "tune"
 
