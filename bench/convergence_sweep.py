@@ -48,8 +48,7 @@ import torch.distributed as dist
 import qcoll
 from qcoll import zero
 from qcoll.bench.ranks import run_ranks
-from qcoll.bench.textdata import Batches, stdlib_bytes
-from qcoll.bench.transformer import CharTransformer, TransformerConfig
+from qcoll.testing import Batches, CharTransformer, TransformerConfig, stdlib_bytes
 
 MB = 1 << 20
 CHAR = TransformerConfig(context=64, d_model=128, n_layers=4, n_heads=4)

@@ -79,7 +79,7 @@ def test_zero_training_on_cuda_tracks_cpu(topo):
     """A few AdamW steps of ZeRO++ (8-bit weights, hpZ, 4-bit gradients) on the GPU follow
     the same run on the CPU: GPU matmuls round differently, so losses agree closely, not bitwise."""
     from zero_helpers import TINY, data, tiny_model
-    from qcoll.bench.textdata import Batches
+    from qcoll.testing import Batches
 
     losses = {}
     for dev in ("cpu", "cuda"):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import qcoll
 from qcoll import zero
-from qcoll.bench.textdata import Batches
+from qcoll.testing import Batches
 from qcoll.comm import similarity as sim
 from qcoll.comm import stats
 

@@ -12,7 +12,7 @@ import torch
 
 import qcoll
 from qcoll import weights, zero
-from qcoll.bench.textdata import Batches
+from qcoll.testing import Batches
 
 from zero_helpers import data, tiny_model
 
@@ -89,7 +89,7 @@ def test_errors(ranks4, tmp_path):
     assert msg and "weight_bits=None" in msg
     path = str(tmp_path / "model.safetensors")
     ranks4.run(_train_export, path, 8, 0, timeout=120)
-    from qcoll.bench.transformer import TransformerConfig
+    from qcoll.testing import TransformerConfig
     other = tiny_model(0, TransformerConfig(context=32, d_model=32, n_layers=2, n_heads=2))
     with pytest.raises(ValueError, match="the file holds shape"):
         weights.load_quantized(path, other)

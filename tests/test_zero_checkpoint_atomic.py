@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 import qcoll
 from qcoll import zero
-from qcoll.bench.textdata import Batches
+from qcoll.testing import Batches
 from qcoll.zero import atomic_dir
 
 from distributed import RankFailure, RankPool

@@ -36,8 +36,8 @@ import torch
 
 import qcoll
 from qcoll import zero
-from qcoll.bench.textdata import Batches
-from qcoll.bench.transformer import CharTransformer, TransformerConfig
+from qcoll.testing import Batches
+from qcoll.testing import CharTransformer, TransformerConfig
 
 from zero_helpers import data, global_loss
 

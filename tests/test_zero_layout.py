@@ -10,7 +10,7 @@ from torch import nn
 
 import qcoll
 from qcoll import zero
-from qcoll.bench.textdata import Batches
+from qcoll.testing import Batches
 
 from zero_helpers import data, global_loss, make_optimizer, tiny_model
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import qcoll
 from qcoll import zero
-from qcoll.bench.textdata import Batches
+from qcoll.testing import Batches
 from qcoll.comm import stats
 from qcoll.quant.format import packed_nbytes
 

@@ -4,32 +4,9 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 
-from qcoll.bench.textdata import Batches, stdlib_bytes
-from qcoll.bench.transformer import CharTransformer, TransformerConfig
-
-TINY = TransformerConfig(context=32, d_model=64, n_layers=2, n_heads=2)
-_DATA = None
-
-
-def data() -> torch.Tensor:
-    global _DATA
-    if _DATA is None:
-        _DATA = stdlib_bytes(1 << 20)
-    return _DATA
-
-
-def tiny_model(seed: int = 0, cfg: TransformerConfig = TINY) -> CharTransformer:
-    torch.manual_seed(seed)
-    return CharTransformer(cfg)
-
-
-def global_loss(local_loss: torch.Tensor) -> float:
-    """The mean over ranks of equal-size micro-batch losses = the global-batch loss."""
-    t = local_loss.detach().double().clone()
-    dist.all_reduce(t)
-    return float(t) / dist.get_world_size()
+from qcoll.testing import TINY, Batches, global_loss, tiny_model  # noqa: F401  (moved to qcoll.testing)
+from qcoll.testing import corpus as data  # noqa: F401
 
 
 def make_optimizer(kind: str):

@@ -115,7 +115,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def build_model(args):
     """The char transformer of the model options, seeded by ``--seed``."""
-    from .transformer import CharTransformer, TransformerConfig
+    from ..testing import CharTransformer, TransformerConfig
 
     torch.manual_seed(args.seed)
     return CharTransformer(TransformerConfig(context=args.context, d_model=args.d_model, n_layers=args.layers,
@@ -124,7 +124,7 @@ def build_model(args):
 
 def _steps(args, forward_backward, step, rank, world):
     from ..comm import stats
-    from .textdata import Batches, stdlib_bytes
+    from ..testing import Batches, stdlib_bytes
 
     batches = Batches(stdlib_bytes(), args.batch, args.context, args.seed + 1)
     meter = LinkMeter.from_env() if rank == 0 else None

@@ -79,7 +79,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _measure(args, topo, config: dict) -> tuple[float, float]:
     """(median step seconds after --warmup, mean loss of the last 3 steps) of one configuration."""
     from .. import zero
-    from .textdata import Batches, stdlib_bytes
+    from ..testing import Batches, stdlib_bytes
 
     model = train.build_model(args)
     m = zero.shard(model, topo, zero.ZeroConfig(**config), units=model.units())
