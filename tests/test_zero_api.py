@@ -7,8 +7,7 @@ from torch import nn
 
 import qcoll
 from qcoll import zero
-
-from zero_helpers import tiny_model
+from qcoll.testing import tiny_model
 
 
 def test_defaults_are_zeropp():
