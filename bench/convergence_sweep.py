@@ -47,9 +47,8 @@ import torch.distributed as dist
 
 import qcoll
 from qcoll import zero
-from qcoll.bench.launch import run_ranks
-from qcoll.bench.textdata import Batches, stdlib_bytes
-from qcoll.bench.transformer import CharTransformer, TransformerConfig
+from qcoll.bench.ranks import run_ranks
+from qcoll.testing import Batches, CharTransformer, TransformerConfig, stdlib_bytes, train_steps
 
 MB = 1 << 20
 CHAR = TransformerConfig(context=64, d_model=128, n_layers=4, n_heads=4)
@@ -87,12 +86,6 @@ def _cfg(weight_bits, grad_bits=4, sr=False, block=256) -> zero.ZeroConfig:
                            weight_block=block, stochastic_grad_rounding=sr)
 
 
-def _global(loss: torch.Tensor) -> float:
-    t = loss.detach().double().clone()
-    dist.all_reduce(t)
-    return float(t) / dist.get_world_size()
-
-
 def _install_bug(kind: str | None):
     """Negative controls: replace the ZeRO layer's gradient reduction (``--controls`` only)."""
     import qcoll.zero.flat as flat
@@ -125,16 +118,13 @@ def _train(a, topo, model_name, config, seed, steps, lr, data, batch_seed, load=
         zero.load(load, m)
     opt = zero.Optimizer(m, torch.optim.AdamW, lr=lr, weight_decay=0.0)
     batches = Batches(data, a.batch, CHAR.context, batch_seed)
-    losses, t0 = [], time.perf_counter()
-    for _ in range(steps):
-        x, y = batches.next(dist.get_rank(), dist.get_world_size())
-        loss = loss_fn(m, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(_global(loss))
-        if stop_below is not None and len(losses) >= 10 and sum(losses[-10:]) / 10 < stop_below:
-            break
+
+    def below(i, losses):  # the mean of the last 10 losses is under stop_below: done
+        return stop_below is not None and len(losses) >= 10 and sum(losses[-10:]) / 10 < stop_below
+
+    t0 = time.perf_counter()
+    losses = train_steps(m, opt, batches, steps, rank=dist.get_rank(), world=dist.get_world_size(), loss_fn=loss_fn,
+                         after_step=below)
     wall = time.perf_counter() - t0
     if save:
         zero.save(save, m)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import qcoll
 from qcoll import weights, zero
-from qcoll.bench.launch import run_ranks
+from qcoll.bench.ranks import run_ranks
 
 
 def _gpt2(args):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import qcoll
 from qcoll import zero
-from qcoll.bench.launch import run_ranks
+from qcoll.bench.ranks import run_ranks
 
 
 def _gpt2(args, vocab: int):

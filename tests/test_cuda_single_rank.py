@@ -77,23 +77,14 @@ def test_reduce_scatter_matches_cpu(topo, stochastic, num_chunks):
 def test_zero_training_on_cuda_tracks_cpu(topo):
     """A few AdamW steps of ZeRO++ (8-bit weights, hpZ, 4-bit gradients) on the GPU follow
     the same run on the CPU: GPU matmuls round differently, so losses agree closely, not bitwise."""
-    from zero_helpers import TINY, data, tiny_model
-    from qcoll.bench.textdata import Batches
+    from qcoll.testing import TINY, Batches, corpus, tiny_model, train_steps
 
     losses = {}
     for dev in ("cpu", "cuda"):
         model = qcoll.zero.shard(tiny_model(0).to(dev), config=qcoll.zero.ZeroConfig())
         opt = qcoll.zero.Optimizer(model, torch.optim.AdamW, lr=3e-3)
-        batches = Batches(data(), 8, TINY.context, 5)
-        run = []
-        for _ in range(8):
-            x, y = batches.next(0, 1)
-            loss = model(x.to(dev), y.to(dev))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            run.append(float(loss.detach()))
-        losses[dev] = run
+        losses[dev] = train_steps(model, opt, Batches(corpus(), 8, TINY.context, 5), 8,
+                                  loss_fn=lambda m, x, y, dev=dev: m(x.to(dev), y.to(dev)))
     assert all(torch.isfinite(torch.tensor(losses["cuda"])))
     assert losses["cuda"][-1] < losses["cuda"][0]
     for a, b in zip(losses["cuda"], losses["cpu"]):

@@ -10,6 +10,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 import qcoll
 import qcoll.bindings
 import qcoll.cuda_src
@@ -36,3 +38,16 @@ def test_the_installed_qcoll_is_this_checkout_or_a_plain_install():
         assert (bindings, cuda_src) == (pkg / "bindings", pkg / "cuda_src"), (pkg, bindings, cuda_src)
         assert ROOT not in pkg.parents, f"qcoll imported from the source tree {pkg}, not the installed package"
     assert sorted(cuda_src.glob("*.cu")), f"no kernel sources in {cuda_src}"
+
+
+def test_every_package_of_the_source_tree_is_installed():
+    """pyproject.toml lists the packages one by one: a new ``qcoll/<name>/`` left out of the list is
+    missing from a plain install (CI's), though an editable one would still find it."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "qcoll").rglob("__init__.py")}
+    assert found <= listed, f"packages missing from [tool.setuptools] packages: {sorted(found - listed)}"
+    import qcoll.testing
+
+    assert Path(qcoll.testing.__file__).resolve().parent.parent == Path(qcoll.__file__).resolve().parent

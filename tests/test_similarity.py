@@ -14,12 +14,11 @@ import torch.distributed as dist
 
 import qcoll
 from qcoll import zero
-from qcoll.bench.textdata import Batches
 from qcoll.comm import similarity as sim
 from qcoll.comm import stats
+from qcoll.testing import Batches, corpus, global_loss, tiny_model
 
 from distributed import RankPool
-from zero_helpers import data, global_loss, tiny_model
 
 S = 1000  # elements per rank's slice: not a multiple of the block
 
@@ -84,7 +83,7 @@ def _quantized_correction(rank, world, steps):
     model = tiny_model(0)
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=0.5)
-    batches = Batches(data(), 8, model.cfg.context, 13)
+    batches = Batches(corpus(), 8, model.cfg.context, 13)
     rows = []
     for _ in range(steps):
         x, y = batches.next(rank, world)
@@ -131,7 +130,7 @@ def _bytes_of_a_step(rank, world, measure):
     opt = zero.Optimizer(m, torch.optim.AdamW, lr=1e-3)
     if measure:
         zero.AdaptiveBatch(opt, target=0.8)
-    x, y = Batches(data(), 8, 32, 0).next(rank, world)
+    x, y = Batches(corpus(), 8, 32, 0).next(rank, world)
     stats.reset()
     m(x, y).backward()
     snap = stats.snapshot()
@@ -200,7 +199,7 @@ def _adaptive_resume(rank, world, path):
         return m, opt, zero.AdaptiveBatch(opt, target=0.99, max_accumulation=6)  # grows at every step
 
     m, opt, ctl = setup(0)
-    batches = Batches(data(), 8, 32, 17)
+    batches = Batches(corpus(), 8, 32, 17)
     before = _adaptive_steps(m, opt, ctl, batches, rank, world, 3)
     zero.save(path, m, opt, adaptive=ctl)
     rng = batches.state()

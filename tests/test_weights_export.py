@@ -12,9 +12,7 @@ import torch
 
 import qcoll
 from qcoll import weights, zero
-from qcoll.bench.textdata import Batches
-
-from zero_helpers import data, tiny_model
+from qcoll.testing import Batches, TransformerConfig, corpus, tiny_model, train_steps
 
 
 def _train_export(rank, world, path, bits, steps=2):
@@ -23,13 +21,8 @@ def _train_export(rank, world, path, bits, steps=2):
     m = zero.shard(model, qcoll.Topology(2), zero.ZeroConfig(weight_bits=bits, hpz=True, grad_bits=4),
                    units=model.units())
     opt = zero.Optimizer(m, torch.optim.AdamW, lr=3e-3)
-    batches = Batches(data(), 8, 32, 3)
-    for _ in range(steps):
-        x, y = batches.next(rank, world)
-        m(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-    x, _ = Batches(data(), 4, 32, 99).next(0, 1)
+    train_steps(m, opt, Batches(corpus(), 8, 32, 3), steps, rank=rank, world=world)
+    x, _ = Batches(corpus(), 4, 32, 99).next(0, 1)
     with torch.no_grad():
         logits = m(x)
     zero.export_quantized(m, path)
@@ -89,7 +82,6 @@ def test_errors(ranks4, tmp_path):
     assert msg and "weight_bits=None" in msg
     path = str(tmp_path / "model.safetensors")
     ranks4.run(_train_export, path, 8, 0, timeout=120)
-    from qcoll.bench.transformer import TransformerConfig
     other = tiny_model(0, TransformerConfig(context=32, d_model=32, n_layers=2, n_heads=2))
     with pytest.raises(ValueError, match="the file holds shape"):
         weights.load_quantized(path, other)

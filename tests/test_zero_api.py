@@ -7,8 +7,7 @@ from torch import nn
 
 import qcoll
 from qcoll import zero
-
-from zero_helpers import tiny_model
+from qcoll.testing import tiny_model
 
 
 def test_defaults_are_zeropp():
@@ -101,7 +100,7 @@ def test_misuse_errors_on_4_ranks(ranks4):
 
 
 def _units_by_class(rank, world):
-    from qcoll.bench.transformer import Block
+    from qcoll.testing.models import Block
     topo = qcoll.Topology(2)
     m = zero.shard(tiny_model(0), topo, units=[Block])
     by_class = [g.name for g in zero.state_of(m).groups]

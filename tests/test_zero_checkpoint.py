@@ -3,9 +3,9 @@ import torch
 
 import qcoll
 from qcoll import zero
-from qcoll.bench.textdata import Batches
+from qcoll.testing import BatchList, Batches, corpus, tiny_model, train_steps
 
-from zero_helpers import data, global_loss, make_optimizer, tiny_model
+from zero_helpers import make_optimizer
 
 BATCH = 8
 ZPP = zero.ZeroConfig(stochastic_grad_rounding=True)
@@ -19,30 +19,18 @@ def _setup(world, config, model_seed, kind="adamw"):
     return m, zero.Optimizer(m, cls, **kw)
 
 
-def _steps(m, opt, batches, rank, world, n):
-    out = []
-    for _ in range(n):
-        x, y = batches.next(rank, world)
-        loss = m(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(global_loss(loss))
-    return out
-
-
 def _resume(rank, world, path):
     m, opt = _setup(world, ZPP, 0)
-    batches = Batches(data(), BATCH, 32, 11)
-    _steps(m, opt, batches, rank, world, 3)
+    batches = Batches(corpus(), BATCH, 32, 11)
+    train_steps(m, opt, batches, 3, rank=rank, world=world)
     zero.save(path, m, opt)
     rng = batches.state()
-    first = _steps(m, opt, batches, rank, world, 3)
+    first = train_steps(m, opt, batches, 3, rank=rank, world=world)
     # a fresh model with other initial values and a fresh optimizer, loaded from the checkpoint
     m2, opt2 = _setup(world, ZPP, 123)
     zero.load(path, m2, opt2)
     batches.set_state(rng)
-    second = _steps(m2, opt2, batches, rank, world, 3)
+    second = train_steps(m2, opt2, batches, 3, rank=rank, world=world)
     return first, second
 
 
@@ -53,11 +41,11 @@ def test_resume_same_world_is_bit_identical(ranks4, tmp_path):
 
 def _save_for_reshard(rank, world, path):
     m, opt = _setup(world, zero.ZeroConfig.zero3(), 0)
-    batches = Batches(data(), BATCH, 32, 5)
-    _steps(m, opt, batches, rank, world, 2)
+    batches = Batches(corpus(), BATCH, 32, 5)
+    train_steps(m, opt, batches, 2, rank=rank, world=world)
     zero.save(path, m, opt)
     saved = m.state_dict()
-    after = _steps(m, opt, batches, rank, world, 2)
+    after = train_steps(m, opt, batches, 2, rank=rank, world=world)
     return saved, after, m.state_dict(), batches.state()
 
 
@@ -65,15 +53,15 @@ def _load_resharded(rank, world, path, rng):
     m, opt = _setup(world, zero.ZeroConfig.zero3(), 77)
     zero.load(path, m, opt)
     loaded = m.state_dict()
-    batches = Batches(data(), BATCH, 32, 5)
+    batches = Batches(corpus(), BATCH, 32, 5)
     batches.set_state(rng)
-    after = _steps(m, opt, batches, rank, world, 2)
+    after = train_steps(m, opt, batches, 2, rank=rank, world=world)
     return loaded, after, m.state_dict()
 
 
 def test_checkpoint_from_4_ranks_loads_into_2(ranks4, ranks2, tmp_path):
     path = str(tmp_path / "ck4")
-    rng = Batches(data(), BATCH, 32, 5)
+    rng = Batches(corpus(), BATCH, 32, 5)
     for _ in range(2):
         rng.next()
     saved, after4, final4, _ = ranks4.run(_save_for_reshard, path, timeout=120)[0]
@@ -89,24 +77,18 @@ def test_checkpoint_from_4_ranks_loads_into_2(ranks4, ranks2, tmp_path):
 
 
 def _save_before_the_first_step(rank, world, path):
-    batches = Batches(data(), BATCH, 32, 23)
-    xs = [batches.next(rank, world) for _ in range(2)]
+    batches = Batches(corpus(), BATCH, 32, 23)
+    xs = [batches.next() for _ in range(2)]  # global batches; BatchList gives each rank its rows
     states = []
     for save_first in (False, True):
         m, opt = _setup(world, ZPP, 0)
         if save_first:
             zero.save(path, m, opt)  # before any step: the optimizer has no state yet
-        for x, y in xs:
-            m(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_steps(m, opt, BatchList(xs), 2, rank=rank, world=world)
         states.append(m.state_dict())
     m, opt = _setup(world, ZPP, 5)
     zero.load(path, m, opt)  # the checkpoint holds a fresh optimizer: training from it matches too
-    for x, y in xs:
-        m(x, y).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(m, opt, BatchList(xs), 2, rank=rank, world=world)
     states.append(m.state_dict())
     return [all(torch.equal(s[k], states[0][k]) for k in states[0]) for s in states[1:]]
 

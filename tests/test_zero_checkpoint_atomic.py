@@ -15,11 +15,11 @@ import torch.distributed.checkpoint as dcp
 
 import qcoll
 from qcoll import zero
-from qcoll.bench.textdata import Batches
+from qcoll.testing import Batches, corpus, tiny_model, train_steps
 from qcoll.zero import atomic_dir
 
 from distributed import RankFailure, RankPool
-from zero_helpers import data, make_optimizer, tiny_model
+from zero_helpers import make_optimizer
 
 BATCH = 8
 ZPP = zero.ZeroConfig(stochastic_grad_rounding=True)
@@ -33,13 +33,7 @@ def _trained(world, seed, steps):
     m = zero.shard(model, topo, ZPP, units=model.units())
     cls, kw = make_optimizer("adamw")
     opt = zero.Optimizer(m, cls, **kw)
-    batches = Batches(data(), BATCH, 32, seed)
-    rank = dist.get_rank()
-    for _ in range(steps):
-        x, y = batches.next(rank, world)
-        m(x, y).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(m, opt, Batches(corpus(), BATCH, 32, seed), steps, rank=dist.get_rank(), world=world)
     return m, opt
 
 

@@ -36,10 +36,7 @@ import torch
 
 import qcoll
 from qcoll import zero
-from qcoll.bench.textdata import Batches
-from qcoll.bench.transformer import CharTransformer, TransformerConfig
-
-from zero_helpers import data, global_loss
+from qcoll.testing import Batches, TransformerConfig, char_transformer, corpus, train_steps
 
 STEPS, TAIL, BATCH, LR, BATCH_SEED = 200, 40, 16, 1e-3, 7
 SEED_A, SEED_B = 0, 1
@@ -49,20 +46,10 @@ MODEL = TransformerConfig(context=64, d_model=128, n_layers=4, n_heads=4)
 
 def _run(rank, world, config, seed=SEED_A):
     topo = qcoll.Topology(2)
-    torch.manual_seed(seed)
-    model = CharTransformer(MODEL)
+    model = char_transformer(MODEL, seed)
     m = zero.shard(model, topo, config, units=model.units())
     opt = zero.Optimizer(m, torch.optim.AdamW, lr=LR, weight_decay=0.0)
-    batches = Batches(data(), BATCH, MODEL.context, BATCH_SEED)
-    losses = []
-    for _ in range(STEPS):
-        x, y = batches.next(rank, world)
-        loss = m(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(global_loss(loss))
-    return losses
+    return train_steps(m, opt, Batches(corpus(), BATCH, MODEL.context, BATCH_SEED), STEPS, rank=rank, world=world)
 
 
 def _score(losses):

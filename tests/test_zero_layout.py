@@ -10,9 +10,9 @@ from torch import nn
 
 import qcoll
 from qcoll import zero
-from qcoll.bench.textdata import Batches
+from qcoll.testing import Batches, corpus, global_loss, tiny_model, train_steps
 
-from zero_helpers import data, global_loss, make_optimizer, tiny_model
+from zero_helpers import make_optimizer
 
 
 def _odd_model():
@@ -81,12 +81,7 @@ def _train_save(rank, world, path, config):
     m = zero.shard(model, qcoll.Topology(2 if world % 2 == 0 else 1), config, units=model.units())
     cls, kw = make_optimizer("adamw")
     opt = zero.Optimizer(m, cls, **kw)
-    batches = Batches(data(), 8, 32, 5)
-    for _ in range(2):
-        x, y = batches.next(rank, world)
-        m(x, y).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(m, opt, Batches(corpus(), 8, 32, 5), 2, rank=rank, world=world)
     zero.save(path, m, opt)
     return m.state_dict(), {k: v.clone() for s in opt.optimizer.state.values() for k, v in s.items()
                             if isinstance(v, torch.Tensor) and v.dim() == 1}
@@ -105,7 +100,7 @@ def _load_into(rank, world, path, config):
             if isinstance(v, torch.Tensor) and v.shape == g.master.shape:
                 full = g.gather_full(v)
                 moments[(g.name, k)] = torch.cat([full[o:o + n] for o, n in zip(g.offsets, g.numels)])
-    x, y = Batches(data(), 8, 32, 17).next(rank, world)
+    x, y = Batches(corpus(), 8, 32, 17).next(rank, world)
     return m.state_dict(), moments, global_loss(m(x, y))
 
 

@@ -1,59 +1,39 @@
 """ZeRO++ training on 4 gloo ranks (2 nodes x 2) against single-process training.
 
-The oracle is plain torch (``tests/zero_helpers.oracle_run``): the same model,
-data and AdamW on the whole global batch in one process. Unquantized mode must
+The oracle is plain torch (``qcoll.testing.check_parity``): the same model,
+data and optimizer on the whole global batch in one process. Unquantized mode must
 match it to fp32 tolerance; the quantized modes are checked by convergence.
 """
 import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import qcoll
 from qcoll import zero
-from qcoll.bench.textdata import Batches
 from qcoll.comm import stats
 from qcoll.quant.format import packed_nbytes
+from qcoll.testing import BatchList, Batches, check_parity, corpus, tiny_model, train_steps
 
-from zero_helpers import data, global_loss, make_optimizer, oracle_run, tiny_model
+from zero_helpers import make_optimizer
 
 BATCH = 8
 
 
-def _train(rank, world, config, steps, seed=1, model_seed=0, kind="sgd"):
-    topo = qcoll.Topology(2)
-    model = tiny_model(model_seed)
-    m = zero.shard(model, topo, config, units=model.units())
-    cls, kw = make_optimizer(kind)
-    opt = zero.Optimizer(m, cls, **kw)
-    batches = Batches(data(), BATCH, model.cfg.context, seed)
-    losses = []
-    for _ in range(steps):
-        x, y = batches.next(rank, world)
-        loss = m(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(global_loss(loss))
-    return losses, m.state_dict()
-
-
 def _zero3_vs_oracle(rank, world):
-    losses, sd = _train(rank, world, zero.ZeroConfig.zero3(), 10)
-    ref_losses, ref_sd, ref = oracle_run(tiny_model(0), 10, BATCH, 1)
-    for got, want in zip(losses, ref_losses):
-        assert abs(got - want) <= 1e-5 * abs(want), (losses, ref_losses)
-    assert set(sd) == set(ref_sd)
-    for k in ref_sd:
-        torch.testing.assert_close(sd[k], ref_sd[k], rtol=1e-4, atol=1e-5, msg=k)
+    model, ref = tiny_model(0), tiny_model(0)
+    m = zero.shard(model, qcoll.Topology(2), zero.ZeroConfig.zero3(), units=model.units())
+    cls, kw = make_optimizer("sgd")
+    out = check_parity(m, zero.Optimizer(m, cls, **kw), ref, cls(ref.parameters(), **kw),
+                       Batches(corpus(), BATCH, model.cfg.context, 1), 10, rank=rank, world=world,
+                       loss_rtol=1e-5, rtol=1e-4, atol=1e-5)
     # the full state dict is the plain model's: strict load, tied weights stay tied
     plain = tiny_model(5)
-    plain.load_state_dict(sd)
+    plain.load_state_dict(out.state)
     assert plain.head.weight is plain.embed.weight
     x = torch.randint(0, 256, (2, 32))
-    torch.testing.assert_close(plain(x), ref(x), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(plain(x), out.reference(x), rtol=1e-4, atol=1e-4)
 
 
 def test_zero3_matches_single_process_training(ranks4):
@@ -66,7 +46,7 @@ def _accumulation(rank, world, use_no_sync):
     m = zero.shard(model, topo, zero.ZeroConfig.zero3(), units=model.units())
     cls, kw = make_optimizer("sgd")
     opt = zero.Optimizer(m, cls, **kw)
-    batches = Batches(data(), BATCH, 32, 3)
+    batches = Batches(corpus(), BATCH, 32, 3)
     for _ in range(3):
         x, y = batches.next(rank, world)
         halves = [(x[:1], y[:1]), (x[1:], y[1:])]
@@ -77,8 +57,9 @@ def _accumulation(rank, world, use_no_sync):
                 (m(xa, ya) / 2).backward()
         opt.step()
         opt.zero_grad()
-    _, ref_sd, _ = oracle_run(tiny_model(0), 3, BATCH, 3)
-    sd = m.state_dict()
+    ref = tiny_model(0)
+    train_steps(ref, cls(ref.parameters(), **kw), Batches(corpus(), BATCH, 32, 3), 3)
+    sd, ref_sd = m.state_dict(), ref.state_dict()
     for k in ref_sd:
         torch.testing.assert_close(sd[k], ref_sd[k], rtol=1e-4, atol=1e-5, msg=k)
 
@@ -119,20 +100,10 @@ def _twice(rank, world):
     net = Twice()
     ref = copy.deepcopy(net)
     m = zero.shard(net, topo, zero.ZeroConfig.zero3())
-    opt = zero.Optimizer(m, torch.optim.SGD, lr=0.1)
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(9)
-    for _ in range(4):
-        x = torch.randn(8, 6, generator=g)
-        m(x[rank * 2:(rank + 1) * 2]).backward()
-        opt.step()
-        opt.zero_grad()
-        ref(x).backward()
-        ropt.step()
-        ropt.zero_grad()
-    sd, rsd = m.state_dict(), ref.state_dict()
-    for k in rsd:
-        torch.testing.assert_close(sd[k], rsd[k], rtol=1e-5, atol=1e-6, msg=k)
+    inputs = BatchList((torch.randn(8, 6, generator=g),) for _ in range(4))  # rank r: rows 2r, 2r+1
+    check_parity(m, zero.Optimizer(m, torch.optim.SGD, lr=0.1), ref, torch.optim.SGD(ref.parameters(), lr=0.1),
+                 inputs, 4, rank=rank, world=world, rtol=1e-5, atol=1e-6)
     # eval under no_grad: same output as the plain model, nothing left gathered
     x = torch.randn(3, 6, generator=g)
     with torch.no_grad():
@@ -151,7 +122,7 @@ def _nonfinite(rank, world, grad_bits):
     m = zero.shard(model, topo, zero.ZeroConfig(grad_bits=grad_bits), units=model.units())
     opt = zero.Optimizer(m, torch.optim.AdamW, lr=3e-3)
     before = [g.master.detach().clone() for g in zero.state_of(m).groups]
-    x, y = Batches(data(), BATCH, 32, 0).next(rank, world)
+    x, y = Batches(corpus(), BATCH, 32, 0).next(rank, world)
     loss = m(x, y)
     if rank == 1:
         loss = loss * float("inf")
@@ -177,7 +148,7 @@ def _bytes_per_step(rank, world, config):
     model = tiny_model(0)
     m = zero.shard(model, topo, config, units=model.units())
     opt = zero.Optimizer(m, torch.optim.AdamW, lr=3e-3)
-    x, y = Batches(data(), BATCH, 32, 0).next(rank, world)
+    x, y = Batches(corpus(), BATCH, 32, 0).next(rank, world)
     stats.reset()
     m(x, y).backward()
     opt.step()

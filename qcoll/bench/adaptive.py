@@ -40,7 +40,7 @@ def run(args, mode_config: dict, topo, model) -> dict:
     """Train ``model`` (fresh) for ``--steps`` adaptive steps; the per-step record on every rank."""
     from .. import zero
     from ..comm import stats
-    from .textdata import Batches, stdlib_bytes
+    from ..testing import Batches, stdlib_bytes
 
     rank, world = topo.rank, topo.world_size
     m = zero.shard(model, topo, zero.ZeroConfig(**mode_config), units=model.units())

@@ -12,7 +12,7 @@ which adds its parser (``subparsers.add_parser(name, ...)``), calls
 arguments (``parser.error`` for a one-line message and exit code 2; start with
 :func:`check_common`), runs, and returns the exit code. :func:`main` turns
 Ctrl-C into exit code 130, SIGTERM into 143 and a failed rank into 1, after
-:mod:`qcoll.bench.launch` has stopped every worker.
+:mod:`qcoll.bench.ranks` has stopped every worker.
 
 The ``python -m qcoll.bench`` form is the same as the console script.
 """
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     subparser = parser.subcommands[args.command]
-    from .launch import RankFailed, Terminated
+    from .ranks import RankFailed, Terminated
 
     try:
         return int(args.func(args, subparser) or 0)

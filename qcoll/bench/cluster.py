@@ -39,7 +39,7 @@ import tempfile
 import time
 
 from . import cli, netns
-from .launch import RankFailed, _on_sigterm, _restore_signal, _set_signal
+from .ranks import RankFailed, _on_sigterm, _restore_signal, _set_signal
 from .linkmeter import ENV as METER_ENV
 
 NAME = "cluster"
@@ -153,7 +153,7 @@ def run_on_cluster(inner: list[str], nodes: int, per_node: int, rate: int | None
     """Build the cluster, run ``inner`` on ``nodes * per_node`` ranks, read the counters, tear down.
 
     Returns ``{"rate_bits", "seconds", "cross_node_bytes", "per_node", "result", "table"}``
-    (``table``: rank 0's stdout). Raises :class:`~qcoll.bench.launch.RankFailed` when a
+    (``table``: rank 0's stdout). Raises :class:`~qcoll.bench.ranks.RankFailed` when a
     rank fails (the others are stopped first), :class:`~qcoll.bench.netns.ClusterError`
     when the cluster cannot be built; the namespaces are gone in every case.
     """

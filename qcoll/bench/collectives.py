@@ -60,7 +60,7 @@ from .. import comm
 from ..comm import framing, stats
 from ..quant import DEFAULT_GRAD_BLOCK, DEFAULT_WEIGHT_BLOCK, VALID_BITS
 from . import cli
-from .launch import run_ranks
+from .ranks import run_ranks
 from . import progress as progress_bar
 from .sizes import format_size, parse_size, sweep
 

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from . import cli
-from .launch import run_ranks
+from .ranks import run_ranks
 from .linkmeter import LinkMeter
 
 NAME = "generate"

@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from . import adaptive, cli
-from .launch import run_ranks
 from .linkmeter import LinkMeter
+from .ranks import run_ranks
 
 NAME = "train"
 MODES = {
@@ -115,37 +114,37 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def build_model(args):
     """The char transformer of the model options, seeded by ``--seed``."""
-    from .transformer import CharTransformer, TransformerConfig
+    from ..testing import TransformerConfig, char_transformer
 
-    torch.manual_seed(args.seed)
-    return CharTransformer(TransformerConfig(context=args.context, d_model=args.d_model, n_layers=args.layers,
-                                             n_heads=args.heads))
+    return char_transformer(TransformerConfig(context=args.context, d_model=args.d_model, n_layers=args.layers,
+                                              n_heads=args.heads), args.seed)
 
 
-def _steps(args, forward_backward, step, rank, world):
+def _steps(args, model, optimizer, rank, world, loss_fn=None):
+    """``--steps`` timed steps of :func:`qcoll.testing.train_steps`: (losses, the slowest rank's median
+    step seconds after ``--warmup``, the last step's (intra, inter) bytes, link bytes per timed step, times)."""
     from ..comm import stats
-    from .textdata import Batches, stdlib_bytes
+    from ..testing import Batches, stdlib_bytes, train_steps
 
     batches = Batches(stdlib_bytes(), args.batch, args.context, args.seed + 1)
     meter = LinkMeter.from_env() if rank == 0 else None
-    losses, times, traffic = [], [], []
+    times, traffic = [], []
     link_start = None
-    for i in range(args.steps):
-        x, y = batches.next(rank, world)
+
+    def before_step(i):
+        nonlocal link_start
         if meter is not None and i == args.warmup:
             link_start = meter.read()   # every rank is past step i-1's loss all-reduce or waits in the barrier
         dist.barrier()
         stats.reset()
-        t0 = time.perf_counter()
-        loss = forward_backward(x, y)
-        step()
-        times.append(time.perf_counter() - t0)
+
+    def after_step(i, losses):
         traffic.append((stats.stats.intra_bytes, stats.stats.inter_bytes))
-        g = loss.detach().double().reshape(1)
-        dist.all_reduce(g)
-        losses.append(float(g) / world)
-        if args.stop_at_target and i > args.warmup and adaptive.reached(losses, args.target_loss, args.loss_window):
-            break  # every rank holds the same losses: the same decision
+        # every rank holds the same losses: the same decision
+        return args.stop_at_target and i > args.warmup and adaptive.reached(losses, args.target_loss, args.loss_window)
+
+    losses = train_steps(model, optimizer, batches, args.steps, rank=rank, world=world, loss_fn=loss_fn,
+                         before_step=before_step, after_step=after_step, step_seconds=times)
     dist.barrier()
     timed = len(losses) - args.warmup
     link = (meter.read() - link_start) / timed if meter is not None and link_start is not None else None
@@ -162,18 +161,14 @@ def _run_qcoll(args, mode, topo):
     opt = zero.Optimizer(m, torch.optim.AdamW, lr=args.lr, weight_decay=0.0)
     memory = {}
 
-    def fb(x, y):
+    def forward(m, x, y):
         loss = m(x, y)
         memory.update(secondary_peak=zero.memory_report(m)["secondary"])
-        loss.backward()
         return loss
 
-    def step():
-        opt.step()
-        memory.update(zero.memory_report(m, opt))
-        opt.zero_grad()
-
-    losses, seconds, (intra, inter), link, times = _steps(args, fb, step, topo.rank, topo.world_size)
+    # after each step, before zero_grad (the gradients count)
+    opt.register_step_post_hook(lambda *_: memory.update(zero.memory_report(m, opt)))
+    losses, seconds, (intra, inter), link, times = _steps(args, m, opt, topo.rank, topo.world_size, forward)
     return losses, seconds, intra, inter, link, memory, times
 
 
@@ -187,17 +182,7 @@ def _run_fsdp2(args, topo):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-
-    def fb(x, y):
-        loss = model(x, y)
-        loss.backward()
-        return loss
-
-    def step():
-        opt.step()
-        opt.zero_grad()
-
-    losses, seconds, _, link, times = _steps(args, fb, step, topo.rank, topo.world_size)
+    losses, seconds, _, link, times = _steps(args, model, opt, topo.rank, topo.world_size)
     # FSDP2 moves fp32 all-gathers (forward and backward) and a reduce-scatter over the world
     # group per unit; counted by DESIGN.md's rule, with the world spanning nodes (inter-node).
     W = topo.world_size

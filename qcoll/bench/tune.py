@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from . import cli, progress, train
-from .launch import run_ranks
+from .ranks import run_ranks
 
 NAME = "tune"
 
@@ -79,25 +78,15 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _measure(args, topo, config: dict) -> tuple[float, float]:
     """(median step seconds after --warmup, mean loss of the last 3 steps) of one configuration."""
     from .. import zero
-    from .textdata import Batches, stdlib_bytes
+    from ..testing import Batches, stdlib_bytes, train_steps
 
     model = train.build_model(args)
     m = zero.shard(model, topo, zero.ZeroConfig(**config), units=model.units())
     opt = zero.Optimizer(m, torch.optim.AdamW, lr=args.lr, weight_decay=0.0)
     batches = Batches(stdlib_bytes(), args.batch, args.context, args.seed + 1)
-    times, losses = [], []
-    for _ in range(args.steps):
-        x, y = batches.next(topo.rank, topo.world_size)
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = m(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-        g = loss.detach().double().reshape(1)
-        dist.all_reduce(g)
-        losses.append(float(g) / topo.world_size)
+    times = []
+    losses = train_steps(m, opt, batches, args.steps, rank=topo.rank, world=topo.world_size,
+                         before_step=lambda i: dist.barrier(), step_seconds=times)
     slowest = torch.tensor([statistics.median(times[args.warmup:])], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return float(slowest), sum(losses[-3:]) / 3

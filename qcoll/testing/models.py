@@ -1,4 +1,11 @@
-"""A small decoder-only, character-level transformer (the model of the training benchmarks)."""
+"""The models that the tests and the training benchmarks train.
+
+:class:`CharTransformer` is a small decoder-only, character-level transformer (the
+model of ``qcoll-bench train``, ``tune`` and the convergence test); :data:`TINY` is
+its size in most tests. :func:`char_transformer` and :func:`tiny_model` build one from
+a seed, so that two processes (or a sharded run and its single-process oracle) start
+from the same values.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -72,3 +79,19 @@ class CharTransformer(nn.Module):
     def units(self) -> list[nn.Module]:
         """The ZeRO units: the embedding, each block, the final norm (the head is tied)."""
         return [self.embed, *self.blocks, self.ln_f]
+
+
+TINY = TransformerConfig(context=32, d_model=64, n_layers=2, n_heads=2)
+"""The tests' size: two blocks of width 64 over 32 bytes of context."""
+
+
+def char_transformer(cfg: TransformerConfig = TransformerConfig(), seed: int = 0) -> CharTransformer:
+    """A :class:`CharTransformer` of size ``cfg`` with initial values from ``torch.manual_seed(seed)``
+    (which also leaves the global generator seeded, as the callers have always had it)."""
+    torch.manual_seed(seed)
+    return CharTransformer(cfg)
+
+
+def tiny_model(seed: int = 0, cfg: TransformerConfig = TINY) -> CharTransformer:
+    """:func:`char_transformer` at the tests' size :data:`TINY` (or ``cfg``), seed first."""
+    return char_transformer(cfg, seed)
