@@ -193,7 +193,7 @@ def _first_grads(rank, world, config):
     topo = qcoll.Topology(2)
     model = tiny_model(0)
     m = zero.shard(model, topo, config, units=model.units())
-    x, y = Batches(data(), BATCH, 32, 0).next(rank, world)
+    x, y = Batches(corpus(), BATCH, 32, 0).next(rank, world)
     m(x, y).backward()
     return torch.cat([g.master.grad for g in zero.state_of(m).groups if g.master.grad is not None])
 
