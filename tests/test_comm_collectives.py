@@ -231,8 +231,7 @@ def _qgz_per_hop(rank, world, L, intra, inter):
     return out, intra_bytes, inter_bytes, bool(torch.equal(same_width, plain))
 
 
-@pytest.mark.parametrize("L", [2, 4, 1])
-@pytest.mark.parametrize("intra,inter", [(8, 4), (4, 2)])
+@pytest.mark.parametrize("L,intra,inter", [(2, 8, 4), (4, 8, 4), (1, 8, 4), (2, 4, 2)])
 def test_per_hop_bits_equal_the_two_stage_reference(ranks4, L, intra, inter):
     world, S, block = 4, 700, 128
     N = world // L
