@@ -179,3 +179,10 @@ def reduce_requantize_into(bufs, out, n, bits_in, block_in, bits_out, block_out,
             np.uint32(seed), np.uint64(offset))
     _launch("qcoll_reduce_requantize", bufs.device, rows * fmt.num_blocks(n, block_out),
             _blocks_per_cta(block_out), args)
+
+
+def hadamard_rows_into(x: torch.Tensor, out: torch.Tensor, block_size: int, scale: float) -> None:
+    """x fp32 [rows, n] contiguous -> out fp32 [rows, n]: each full block rotated, the tail copied."""
+    rows, n = x.shape
+    args = (_ptr(x), _ptr(out), np.uint64(rows), np.uint64(n), np.int32(block_size), np.float32(scale))
+    _launch("qcoll_hadamard_rows", x.device, rows * -(-n // block_size), 1, args)

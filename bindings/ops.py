@@ -213,3 +213,31 @@ def reduce_requantize(bufs: torch.Tensor, n: int, bits_in: int, block_in: int, b
     """
     return _call(_reduce_requantize_op, _reduce_requantize_impl, bufs, n, bits_in, block_in, bits_out, block_out,
                  bool(stochastic), seed, offset)
+
+
+# ------------------------------------------------------------------ hadamard_rows
+def _hadamard_rows_impl(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    launch.hadamard_rows_into(x, out, block_size, fmt.rotation_scale(block_size))
+    return out
+
+
+_hadamard_rows_op = _register("hadamard_rows", _hadamard_rows_impl)
+
+
+@_hadamard_rows_op.register_fake
+def _(x, block_size):
+    return torch.empty_like(x)
+
+
+def hadamard_rows(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Block-local orthonormal Walsh-Hadamard rotation (docs/FORMAT.md "Rotation"; self-inverse).
+
+    Args:
+        x: CUDA float32 ``[rows, n]``.
+        block_size: a power of two in [32, 4096]; each row's partial tail block is copied.
+    Returns:
+        float32 ``[rows, n]``, bit-identical to :func:`qcoll.quant.hadamard.hadamard_rows`.
+    """
+    return _call(_hadamard_rows_op, _hadamard_rows_impl, x, block_size)

@@ -26,6 +26,7 @@ KERNELS = {
         "qcoll_swizzle_quantize_f16",
     ),
     "reduce_requantize.cu": ("qcoll_dequantize_reduce", "qcoll_reduce_requantize"),
+    "hadamard.cu": ("qcoll_hadamard_rows",),
 }
 
 

@@ -184,6 +184,169 @@ def test_reduce_scatter_nan_reaches_owner_block(ranks4):
 
 
 # ---------------------------------------------------------------- byte accounting
+def qgz_two_stage(world, L, S, block, intra, inter, seed=0, k=0, make=None):
+    """What qgZ with ``bits=(intra, inter)`` must give every rank, bit for bit: the reference
+    codec composed rank by rank in one process (swizzle-quantize, hop 1 to the node's ranks,
+    dequantize-sum-requantize of each node's partial sums, hop 2 to the nodes, final sum)."""
+    from qcoll.quant import reference as ref
+    from qcoll.quant import outliers as reserve
+    make = make or shard_of
+    N = world // L
+    b1 = intra if L > 1 else inter          # hop 1 runs only with several ranks per node
+    b2 = inter if N > 1 else b1             # hop 2 only with several nodes
+    if k:   # the outlier reserve's rows (checked against a float64 oracle in test_codec_outliers)
+        swizzle = lambda x, *a: reserve.swizzle_quantize(x, *a, k)  # noqa: E731
+        requantize = lambda b, n, bi, blk, bo, _: reserve.reduce_requantize(b, n, bi, bo, blk, k)  # noqa: E731
+        reduce = lambda b, n, bits, blk: reserve.dequantize_reduce(b, n, bits, blk, k)  # noqa: E731
+    else:
+        swizzle, requantize, reduce = ref.swizzle_quantize, ref.reduce_requantize, ref.dequantize_reduce
+    q1 = [swizzle(make(r, world * S, seed), N, L, b1, block) for r in range(world)]
+    results = []
+    for dst in range(world):
+        n, l = divmod(dst, L)
+        if N == 1:                          # the node's ranks' slices for local rank l
+            got = torch.stack([q1[j][l:l + 1] for j in range(L)])
+        else:
+            per_node = []
+            for m in range(N):              # node m's partial sum of slice (n, l), requantized to b2
+                slices = torch.stack([q1[m * L + j][l * N:(l + 1) * N] for j in range(L)])
+                q2 = slices[0] if L == 1 else requantize(slices, S, b1, block, b2, block)
+                per_node.append(q2[n:n + 1])
+            got = torch.stack(per_node)
+        results.append(reduce(got, S, b2, block)[0] / world)
+    return results
+
+
+def _qgz_per_hop(rank, world, L, intra, inter):
+    topo = qcoll.Topology(L)
+    S, block = 700, 128
+    x = shard_of(rank, world * S)
+    out, same_width = torch.empty(S), torch.empty(S)
+    stats.reset()
+    qcoll.reduce_scatter_quantized(out, x, bits=(intra, inter), block_size=block, topology=topo, op="avg")
+    intra_bytes, inter_bytes = stats.stats.intra_bytes, stats.stats.inter_bytes
+    qcoll.reduce_scatter_quantized(same_width, x, bits=(intra, intra), block_size=block, topology=topo, op="avg")
+    plain = torch.empty(S)
+    qcoll.reduce_scatter_quantized(plain, x, bits=intra, block_size=block, topology=topo, op="avg")
+    return out, intra_bytes, inter_bytes, bool(torch.equal(same_width, plain))
+
+
+@pytest.mark.parametrize("L,intra,inter", [(2, 8, 4), (4, 8, 4), (1, 8, 4), (2, 4, 2)])
+def test_per_hop_bits_equal_the_two_stage_reference(ranks4, L, intra, inter):
+    world, S, block = 4, 700, 128
+    N = world // L
+    expected = qgz_two_stage(world, L, S, block, intra, inter)
+    for rank, (out, intra_bytes, inter_bytes, same_width_is_plain) in enumerate(ranks4.run(_qgz_per_hop, L, intra,
+                                                                                                 inter)):
+        assert torch.equal(out, expected[rank]), (rank, (out - expected[rank]).abs().max())
+        assert same_width_is_plain
+        # each hop's frames carry its own width
+        b1 = intra if L > 1 else inter
+        b2 = inter if N > 1 else b1
+        assert intra_bytes == (L - 1) * (HEADER + N * qcoll.quant.packed_nbytes(S, b1, block))
+        assert inter_bytes == (N - 1) * (HEADER + qcoll.quant.packed_nbytes(S, b2, block))
+
+
+def spiky(rank, n, seed=0):
+    """Gradient-like data: small Gaussian values with rare spikes 50x larger (heavy tails)."""
+    g = torch.Generator().manual_seed(7000 + 1000 * seed + rank)
+    x = torch.randn(n, generator=g) * 0.01
+    spikes = torch.rand(n, generator=g) < 0.01
+    return torch.where(spikes, torch.randn(n, generator=g) * 0.5, x)
+
+
+def _qgz_hadamard(rank, world, L, bits):
+    topo = qcoll.Topology(L)
+    S, block = 1000, 128
+    x = spiky(rank, world * S)
+    rotated, plain = torch.empty(S), torch.empty(S)
+    qcoll.reduce_scatter_quantized(rotated, x, bits=bits, block_size=block, topology=topo, hadamard=True)
+    qcoll.reduce_scatter_quantized(plain, x, bits=bits, block_size=block, topology=topo)
+    bf16 = torch.empty(S, dtype=torch.bfloat16)
+    qcoll.reduce_scatter_quantized(bf16, x.bfloat16(), bits=bits, block_size=block, topology=topo, hadamard=True)
+    return rotated, plain, bf16
+
+
+@pytest.mark.parametrize("L,bits", [(2, 4), (2, (8, 4)), (4, 4), (1, 4)])
+def test_hadamard_reduce_scatter_within_the_rotated_bound_and_smaller_than_plain(ranks4, L, bits):
+    """Oracle: the inputs rotated in float64 (Sylvester matrix), the codec's per-element bound
+    applied there hop by hop, and the error vector's norm carried back per block (rotation
+    is orthogonal); the tail past the last full block is not rotated."""
+    world, S, block = 4, 1000, 128
+    N = world // L
+    b1, b2 = (bits, bits) if isinstance(bits, int) else bits
+    b1 = b1 if L > 1 else b2
+    b2 = b2 if N > 1 else b1
+    h = np.ones((1, 1))
+    while h.shape[0] < block:
+        h = np.block([[h, h], [h, -h]])
+    h /= np.sqrt(block)
+    full = S // block * block
+    inputs = np.stack([spiky(r, world * S).double().numpy() for r in range(world)]).reshape(world, world, S)
+    rot = inputs.copy()
+    for a in range(0, full, block):
+        rot[..., a:a + block] = rot[..., a:a + block] @ h.T
+    exact = inputs.sum(axis=0)                              # [dst, S]
+    rplain_err, rhad_err = 0.0, 0.0
+    for dst, (rotated, plain, bf16) in enumerate(ranks4.run(_qgz_hadamard, L, bits)):
+        sl = rot[:, dst]                                    # every source's rotated slice for dst
+        hop1 = np.stack([block_halfscale(sl[s], block, b1) for s in range(world)])
+        bound = hop1.sum(axis=0)
+        if L > 1 and N > 1:
+            for node in range(N):
+                part = sl[node * L:(node + 1) * L].sum(axis=0)
+                bound += block_halfscale(np.abs(part) + hop1[node * L:(node + 1) * L].sum(axis=0), block, b2)
+        err = rotated.double().numpy() - exact[dst]
+        slack = 1e-5 * (np.abs(exact[dst]) + 1)
+        for a in range(0, full, block):                     # norm of the error, carried through the rotation
+            assert np.linalg.norm(err[a:a + block]) <= np.linalg.norm(bound[a:a + block] + slack[a:a + block])
+        assert np.all(np.abs(err[full:]) <= bound[full:] + slack[full:])
+        assert torch.allclose(bf16.float(), rotated, rtol=2e-2, atol=2e-2 * rotated.abs().max().item())
+        rhad_err += float(np.sum(err ** 2))
+        rplain_err += float(np.sum((plain.double().numpy() - exact[dst]) ** 2))
+    # spread spikes make smaller scales: the rotated reduction is more accurate on heavy-tailed data
+    assert rhad_err <= 0.7 ** 2 * rplain_err, (rhad_err / rplain_err) ** 0.5
+
+
+def _outlier_collectives(rank, world, L, k):
+    topo = qcoll.Topology(L)
+    S, block = 700, 128
+    x = spiky(rank, world * S)
+    out, plain = torch.empty(S), torch.empty(S)
+    stats.reset()
+    qcoll.reduce_scatter_quantized(out, x, bits=4, block_size=block, topology=topo, op="avg", outliers=k)
+    qgz_bytes = stats.stats.intra_bytes + stats.stats.inter_bytes
+    qcoll.reduce_scatter_quantized(plain, x, bits=4, block_size=block, topology=topo, op="avg")
+    n = 300
+    fwd = torch.empty(world * n)
+    gathered = qcoll.all_gather_quantized(fwd, spiky(rank, n, seed=1), bits=2, block_size=64, outliers=k)
+    bwd = torch.full_like(fwd, float("nan"))
+    qcoll.replica_gather(bwd, qcoll.SecondaryShard.keep(gathered, topo))
+    return out, plain, qgz_bytes, fwd, bool(torch.equal(fwd, bwd))
+
+
+@pytest.mark.parametrize("L", [2, 1])
+def test_outlier_reserve_in_every_collective(ranks4, L):
+    from qcoll.quant import outliers as reserve
+    world, S, block, k = 4, 700, 128, 2
+    N = world // L
+    expected = qgz_two_stage(world, L, S, block, 4, 4, k=k, make=spiky)
+    exact = np.stack([spiky(r, world * S).double().numpy() for r in range(world)]).sum(axis=0).reshape(world, S)
+    err_k = err_plain = 0.0
+    for rank, (out, plain, qgz_bytes, fwd, replica_same) in enumerate(ranks4.run(_outlier_collectives, L, k)):
+        assert torch.equal(out, expected[rank])
+        frame = HEADER + reserve.packed_nbytes(S, 4, block, k)
+        assert qgz_bytes == (L - 1) * (HEADER + N * (frame - HEADER)) + (N - 1) * frame
+        err_k += float(np.sum((out.double().numpy() - exact[rank] / world) ** 2))
+        err_plain += float(np.sum((plain.double().numpy() - exact[rank] / world) ** 2))
+        for src in range(world):   # qwZ: every shard decodes as the codec's round trip of it; hpZ the same
+            shard = spiky(src, 300, seed=1).reshape(1, -1)
+            want = reserve.dequantize_rows_fp32(reserve.quantize_rows(shard, 2, 64, k), 300, 2, 64, k)[0]
+            assert torch.equal(fwd[src * 300:(src + 1) * 300], want)
+        assert replica_same
+    assert err_k < 0.5 * err_plain, (err_k / err_plain) ** 0.5   # spikes kept exactly: far smaller error
+
+
 def _bytes(rank, world):
     topo = qcoll.Topology(2)
     N, L = topo.num_nodes, topo.ranks_per_node

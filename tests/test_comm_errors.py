@@ -32,6 +32,10 @@ def _local_errors(rank, world):
                                                             topology=topo, num_chunks=0),
         "rs topology": lambda: qcoll.reduce_scatter_quantized(torch.empty(64), torch.randn(world * 64),
                                                               topology="2x2"),
+        "rs hop bits": lambda: qcoll.reduce_scatter_quantized(torch.empty(64), torch.randn(world * 64),
+                                                              topology=topo, bits=(8, 4, 2)),
+        "rs inter bits": lambda: qcoll.reduce_scatter_quantized(torch.empty(64), torch.randn(world * 64),
+                                                                topology=topo, bits=(8, 3)),
         "secondary from a tensor": lambda: qcoll.SecondaryShard.keep(x, topo),
         "secondary of a subgroup": lambda: qcoll.SecondaryShard.keep(
             qcoll.AllGatherResult(torch.empty(2 * 64), torch.empty(2, 16 + 68, dtype=torch.uint8), 64, 8, 64,
@@ -57,7 +61,8 @@ def test_bad_arguments_raise_before_communication(ranks4):
     msgs = ranks4.run(_local_errors)[0]
     expect = {"int input": "input", "size": "output", "bits": "bits", "block": "block_size",
               "noncontig": "contiguous", "dtype": "dtype", "rs size": "input", "rs op": "op",
-              "rs chunks": "num_chunks", "rs topology": "topology", "secondary from a tensor": "AllGatherResult",
+              "rs chunks": "num_chunks", "rs topology": "topology", "rs hop bits": "pair",
+              "rs inter bits": "bits[1] (inter-node)", "secondary from a tensor": "AllGatherResult",
               "secondary of a subgroup": "world group", "replica of a tensor": "secondary",
               "topology": "ranks_per_node=3"}
     for name, word in expect.items():
@@ -454,3 +459,22 @@ def test_topology_of_a_destroyed_process_group_is_a_clear_error():
     kind, msg = msgs["all_gather group"]
     assert kind == "ValueError" and msg.startswith("group <") and "destroyed" in msg, msgs
     assert msgs["new topology"] == pytest.approx((2.0, 2.0), rel=1e-6)
+
+
+# ---------------------------------------------------------------- a rank that rotates alone
+def _rotation_mismatch(rank, world):
+    topo = qcoll.Topology(2)
+    x = torch.randn(world * 256, generator=torch.Generator().manual_seed(rank))
+    out = torch.empty(256)
+    kind, seconds, msg = _outcome(lambda: qcoll.reduce_scatter_quantized(out, x, topology=topo,
+                                                                         hadamard=rank == 3))
+    return kind, msg, _still_in_step(rank, world)
+
+
+def test_a_rank_rotating_alone_makes_every_rank_raise(ranks4):
+    outcomes = ranks4.run(_rotation_mismatch, timeout=60)
+    for rank, (kind, msg, in_step) in enumerate(outcomes):
+        assert kind == "mismatch", (rank, kind, msg)
+        assert in_step
+    msg = outcomes[2][1]  # rank 3's node peer names the flag
+    assert "rotated=True (rank 2 has False)" in msg and "hadamard" in msg, msg

@@ -161,3 +161,28 @@ def test_streams_each_get_their_own_handle(ops):
         assert launch._streams[key].ptr == key[1]
     want = reference.quantize_rows(x.cpu(), 8, 256)
     assert all(torch.equal(o.cpu(), want) for o in outs)
+
+
+@pytest.mark.parametrize("rows,n,block", CASES)
+def test_hadamard_rows(ops, rows, n, block):
+    """The rotation kernel against the torch reference, bit for bit (the tail copied, NaN kept)."""
+    from qcoll.quant.hadamard import hadamard_rows
+
+    x = awkward_rows(rows, n, block, torch.float32, seed=n + block)
+    got = ops.hadamard_rows(x.cuda(), block)
+    _assert_float_bits_equal(got, hadamard_rows(x, block))
+    _assert_float_bits_equal(ops.hadamard_rows(got, block).cpu(), hadamard_rows(hadamard_rows(x, block), block))
+
+
+def test_outlier_reserve_on_cuda_matches_cpu(ops):
+    """The reserve selects with a stable sort and quantizes through the kernels: the same bytes as on CPU."""
+    from qcoll.quant import outliers as reserve
+
+    x = awkward_rows(3, 3000, 128, torch.float32, seed=11)
+    for bits in BITS:
+        for k in (1, 3, 8):
+            got = reserve.quantize_rows(x.cuda(), bits, 128, k)
+            want = reserve.quantize_rows(x, bits, 128, k)
+            assert torch.equal(got.cpu(), want), (bits, k)
+            _assert_float_bits_equal(reserve.dequantize_rows_fp32(got, 3000, bits, 128, k).cpu(),
+                                     reserve.dequantize_rows_fp32(want, 3000, bits, 128, k))

@@ -14,11 +14,16 @@ def test_defaults_are_zeropp():
     c = zero.ZeroConfig()
     assert (c.weight_bits, c.hpz, c.grad_bits, c.weight_block, c.grad_block) == (8, True, 4, 256, 128)
     assert zero.ZeroConfig.zero3() == zero.ZeroConfig(weight_bits=None, hpz=False, grad_bits=None)
+    assert zero.ZeroConfig(grad_bits=[8, 4]).grad_bits == (8, 4)  # per-hop widths, stored as a tuple
 
 
 @pytest.mark.parametrize("kwargs,exc,word", [
     ({"weight_bits": 3}, ValueError, "weight_bits"),
     ({"grad_bits": "4"}, TypeError, "grad_bits"),
+    ({"grad_bits": (8,)}, ValueError, "pair"),
+    ({"grad_hadamard": 1}, TypeError, "grad_hadamard"),
+    ({"grad_hadamard": True, "grad_bits": None}, ValueError, "grad_hadamard"),
+    ({"grad_bits": (8, 5)}, ValueError, r"grad_bits\[1\] \(inter-node\)"),
     ({"weight_block": 100}, ValueError, "weight_block"),
     ({"grad_block": 8192}, ValueError, "grad_block"),
     ({"hpz": 1}, TypeError, "hpz"),

@@ -43,6 +43,14 @@ MODES = {
     "zeropp-w4": dict(weight_bits=4, hpz=True, grad_bits=4),
     "qwz": dict(weight_bits=8, hpz=False, grad_bits=None),
     "qgz": dict(weight_bits=None, hpz=False, grad_bits=4),
+    # beyond ZeRO++'s quantizer (issue 19): per-hop gradient bits, Hadamard rotation, outlier reserve
+    "zeropp-g84": dict(weight_bits=8, hpz=True, grad_bits=(8, 4)),
+    "zeropp-had": dict(weight_bits=8, hpz=True, grad_bits=4, grad_hadamard=True),
+    "zeropp-out1": dict(weight_bits=8, hpz=True, grad_bits=4, grad_outliers=1),
+    "zeropp-w4-had": dict(weight_bits=4, hpz=True, grad_bits=4, grad_hadamard=True),
+    "zeropp-w4-g84had": dict(weight_bits=4, hpz=True, grad_bits=(8, 4), grad_hadamard=True),
+    "zeropp-w2": dict(weight_bits=2, hpz=True, grad_bits=4),
+    "zeropp-w2-out2": dict(weight_bits=2, hpz=True, grad_bits=4, weight_outliers=2),
 }
 PEERS = ("fsdp2",)
 

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from .c10d import all_gather_flat
 from ..quant import format as fmt
+from ..quant import outliers as reserve
 from ..quant import rows
 from . import framing, validate
 from .handle import finish_with_result, labelled, wait_work
@@ -24,7 +25,7 @@ class AllGatherResult:
     docs/FORMAT.md "Frames") when quantized, the ``[group size, numel]`` view of
     ``output`` when ``bits is None``. hpZ keeps its node's part of them
     (:meth:`qcoll.comm.SecondaryShard.keep`); drop the result to free them.
-    ``numel``, ``bits``, ``block_size``, ``dtype`` and ``group``: the gather's arguments.
+    ``numel``, ``bits``, ``block_size``, ``dtype``, ``group`` and ``outliers``: the gather's arguments.
     """
 
     output: torch.Tensor
@@ -34,6 +35,7 @@ class AllGatherResult:
     block_size: int
     dtype: torch.dtype
     group: object = None
+    outliers: int = 0
 
 
 @labelled("qcoll::qwZ")
@@ -44,6 +46,7 @@ def all_gather_quantized(
     block_size: int = fmt.DEFAULT_WEIGHT_BLOCK,
     group=None,
     async_op: bool = False,
+    outliers: int = 0,
 ):
     """All-gather ``input`` into ``output`` with block quantization on the wire (qwZ).
 
@@ -53,6 +56,9 @@ def all_gather_quantized(
     unquantized all-gather) with one fp32 scale per ``block_size`` elements, one
     uint8 buffer per rank is gathered, and every shard is dequantized into
     ``output`` in its dtype.
+
+    ``outliers=k`` (1 to 8) keeps each block's ``k`` largest-magnitude values exactly
+    beside the codes (docs/FORMAT.md "Outlier reserve"; ``6k`` more bytes per block).
 
     Returns an :class:`AllGatherResult` (``output`` and the gathered packed rows, from
     which hpZ keeps a :class:`qcoll.comm.SecondaryShard`), or with ``async_op`` a handle
@@ -76,6 +82,9 @@ def all_gather_quantized(
     validate.check_quant_args(bits, block_size)
     validate.check_async(async_op)
     validate.check_group(group)
+    outliers = reserve.check_outliers(outliers, block_size)
+    if outliers and bits is None:
+        raise ValueError(f"outliers={outliers} needs quantized weights (bits is None)")
     size = dist.get_world_size(group)
     n = input.numel()
     if output.numel() != size * n:
@@ -84,12 +93,12 @@ def all_gather_quantized(
         )
     validate.debug_check("all_gather", group, n, bits, block_size, input.dtype, input.device)
     src = input.contiguous()
-    header = None if bits is None else framing.Header(bits, block_size, n)
+    header = None if bits is None else framing.Header(bits, block_size, n, outliers=outliers)
     if header is None:
         wire = src.reshape(-1)
         recv = output.view(-1)
     else:
-        wire = framing.frame(rows.quantize_rows(src.reshape(1, -1), bits, block_size), header).reshape(-1)
+        wire = framing.frame(reserve.quantize_rows(src.reshape(1, -1), bits, block_size, outliers), header).reshape(-1)
         recv = framing.receive_buffer(size, wire.numel(), input.device).view(-1)
     nbytes = wire.numel() * wire.element_size()
     hb = 0 if header is None else framing.header_bytes()
@@ -105,10 +114,19 @@ def all_gather_quantized(
         else:
             shards = recv.view(size, -1)
             payload = framing.unframe(shards, header, receipt)
-            rows.dequantize_rows_into(payload, n, bits, block_size, output.view(size, n))
-        return AllGatherResult(output, shards, n, bits, block_size, input.dtype, group)
+            decode_into(payload, header, output.view(size, n))
+        return AllGatherResult(output, shards, n, bits, block_size, input.dtype, group, outliers)
 
     return finish_with_result(complete, async_op, "qcoll::qwZ")
+
+
+def decode_into(payload: torch.Tensor, header: framing.Header, out: torch.Tensor) -> None:
+    """Dequantize checked ``payload`` rows ``[k, bytes]`` into ``out`` ``[k, numel]``."""
+    if header.outliers:
+        out.copy_(reserve.dequantize_rows_fp32(payload, header.numel, header.bits, header.block_size,
+                                               header.outliers))
+    else:
+        rows.dequantize_rows_into(payload, header.numel, header.bits, header.block_size, out)
 
 
 def _receipt(group):

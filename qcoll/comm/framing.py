@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from ..quant import format as fmt
+from ..quant import outliers
 from ..quant.rng import mix32_int as mix32
 from .errors import RankMismatchError
 
@@ -27,6 +28,8 @@ HEADER_BYTES = 16
 MAGIC = b"qZ"
 VERSION = 1
 FLAG_POISONED = 0x01
+FLAG_ROTATED = 0x02
+OUTLIERS_SHIFT = 2     # flags bits 2-5: the outlier reserve per block (0-8)
 MAX_NUMEL = 2**48 - 1
 _PREFIX = struct.Struct("<2sBBBB6s")   # magic, version, flags, bits, log2(block_size), numel (u48)
 _CHECK = struct.Struct("<I")
@@ -43,19 +46,25 @@ def check_value(prefix: bytes) -> int:
 @dataclass(frozen=True)
 class Header:
     """What one frame says about the packed rows behind it: ``bits``, ``block_size``,
-    ``numel`` (elements per row) and whether the sender marked it poisoned (it had
-    received mismatching data earlier in the same collective; the payload is void)."""
+    ``numel`` (elements per row), whether the sender marked it poisoned (it had
+    received mismatching data earlier in the same collective; the payload is void) and
+    whether the values are Hadamard-rotated (qgZ's ``hadamard=True``), and each block's
+    outlier reserve (docs/FORMAT.md "Outlier reserve"; 0: plain rows)."""
 
     bits: int
     block_size: int
     numel: int
     poisoned: bool = False
+    rotated: bool = False
+    outliers: int = 0
 
     def to_bytes(self) -> bytes:
         if not 0 <= self.numel <= MAX_NUMEL:
             raise ValueError(f"numel must be in [0, 2**48) to be framed, got {self.numel}")
         log2 = self.block_size.bit_length() - 1
-        prefix = _PREFIX.pack(MAGIC, VERSION, FLAG_POISONED if self.poisoned else 0, self.bits, log2,
+        flags = ((FLAG_POISONED if self.poisoned else 0) | (FLAG_ROTATED if self.rotated else 0)
+                 | self.outliers << OUTLIERS_SHIFT)
+        prefix = _PREFIX.pack(MAGIC, VERSION, flags, self.bits, log2,
                               self.numel.to_bytes(6, "little"))
         return prefix + _CHECK.pack(check_value(prefix))
 
@@ -71,19 +80,21 @@ class Header:
             raise ValueError("check value does not match the header's fields")
         if version != VERSION:
             raise ValueError(f"version {version}, this qcoll reads version {VERSION}")
-        if bits not in fmt.VALID_BITS or not fmt.MIN_BLOCK <= 1 << log2 <= fmt.MAX_BLOCK or flags & ~FLAG_POISONED:
+        if bits not in fmt.VALID_BITS or not fmt.MIN_BLOCK <= 1 << log2 <= fmt.MAX_BLOCK or flags >> 6 or flags >> OUTLIERS_SHIFT > outliers.MAX_OUTLIERS:
             raise ValueError(f"fields out of range (flags={flags}, bits={bits}, log2(block_size)={log2})")
-        return cls(bits, 1 << log2, int.from_bytes(numel, "little"), bool(flags & FLAG_POISONED))
+        return cls(bits, 1 << log2, int.from_bytes(numel, "little"), bool(flags & FLAG_POISONED),
+                   bool(flags & FLAG_ROTATED), flags >> OUTLIERS_SHIFT)
 
     def poison(self) -> "Header":
         return replace(self, poisoned=True)
 
     def payload_nbytes(self, rows: int = 1) -> int:
         """Bytes of ``rows`` packed rows behind this header."""
-        return rows * fmt.packed_nbytes(self.numel, self.bits, self.block_size)
+        return rows * outliers.packed_nbytes(self.numel, self.bits, self.block_size, self.outliers)
 
     def describe(self) -> str:
-        return f"bits={self.bits}, block_size={self.block_size}, numel={self.numel}"
+        extra = (", hadamard" if self.rotated else "") + (f", outliers={self.outliers}" if self.outliers else "")
+        return f"bits={self.bits}, block_size={self.block_size}, numel={self.numel}{extra}"
 
 
 @dataclass(frozen=True)
@@ -214,7 +225,7 @@ def _mismatch(heads: torch.Tensor, expected: Header, r: Receipt) -> RankMismatch
             f"collective (its own error names the rank that disagreed){more}. Nothing was decoded. {_ADVICE}",
             r.op, r.rank, peer, expected, got)
     fields = [f"{f}={getattr(got, f)} (rank {r.rank} has {getattr(expected, f)})"
-              for f in ("bits", "block_size", "numel") if getattr(got, f) != getattr(expected, f)]
+              for f in ("bits", "block_size", "numel", "rotated", "outliers") if getattr(got, f) != getattr(expected, f)]
     sizes = ""
     if got.payload_nbytes(r.rows) != expected.payload_nbytes(r.rows):
         sent, want_n = HEADER_BYTES + got.payload_nbytes(r.rows), HEADER_BYTES + expected.payload_nbytes(r.rows)

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from ..checks import check_bool, check_int
 from .c10d import reduce_scatter_flat
 from ..quant import format as fmt
+from ..quant import outliers as reserve
 from ..quant import rows
 from ..quant.rng import rank_seed
 from . import framing, similarity as sim, validate
@@ -72,7 +73,7 @@ def _hop_receipt(topology: Topology, hop: int):
 def reduce_scatter_quantized(
     output: torch.Tensor,
     input: torch.Tensor,
-    bits: int | None = 4,
+    bits: int | tuple[int, int] | None = 4,
     block_size: int = fmt.DEFAULT_GRAD_BLOCK,
     topology: Topology | None = None,
     op: str = "sum",
@@ -81,6 +82,8 @@ def reduce_scatter_quantized(
     num_chunks: int = 1,
     async_op: bool = False,
     similarity: torch.Tensor | None = None,
+    hadamard: bool = False,
+    outliers: int = 0,
 ):
     """Reduce-scatter ``input`` over the world with quantized 2-hop all-to-all (qgZ).
 
@@ -89,7 +92,16 @@ def reduce_scatter_quantized(
     elements). Hop 1 all-to-all inside the node on ``bits``-bit codes of the
     reordered slices, a fp32 dequantize-reduce-requantize, hop 2 all-to-all
     between nodes among ranks of equal local index, then a final fp32 reduction.
-    ``op="avg"`` divides by the world size. ``num_chunks > 1`` pipelines hop 2 of
+    ``bits=(intra, inter)`` sets each hop's width: hop 1 sends ``intra``-bit codes, the
+    partial sums are requantized to ``inter`` bits for hop 2 (with one rank per node
+    only hop 2 runs, at ``inter``; with one node only hop 1, at ``intra``). An int is both.
+    ``op="avg"`` divides by the world size. ``hadamard=True`` rotates every full block of
+    each destination slice with the orthonormal Walsh-Hadamard matrix before the first
+    quantization and rotates the reduced slice back (docs/FORMAT.md "Rotation"): the
+    blocks' outliers are spread, so their scales shrink; the frames say so (a rank that
+    disagrees raises). Needs ``bits``. ``outliers=k`` (1 to 8) keeps each block's ``k``
+    largest-magnitude values exactly beside the codes, in both hops (docs/FORMAT.md
+    "Outlier reserve"): ``6k`` more bytes per block; not with ``similarity``. ``num_chunks > 1`` pipelines hop 2 of
     chunk ``k`` with hop 1 of chunk ``k+1`` (bit-identical results). ``bits=None``
     is the unquantized ``reduce_scatter_tensor`` baseline over the world.
     ``stochastic`` rounds stochastically with ``seed`` mixed with the rank.
@@ -123,12 +135,18 @@ def reduce_scatter_quantized(
     validate.check_tensor(output, "output")
     validate.check_tensor(input, "input", contiguous=False)
     validate.check_same(output, input, "output and input")
-    validate.check_quant_args(bits, block_size)
+    hop_bits = validate.check_hop_bits(bits, block_size)
     validate.check_async(async_op)
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     check_int(num_chunks, "num_chunks", minimum=1)
     check_bool(stochastic, "stochastic")
+    check_bool(hadamard, "hadamard")
+    if hadamard and bits is None:
+        raise ValueError("hadamard=True needs quantized gradients (bits is None)")
+    outliers = reserve.check_outliers(outliers, block_size)
+    if outliers and (bits is None or similarity is not None):
+        raise ValueError(f"outliers={outliers} needs quantized gradients (bits is not None) and no similarity")
     fmt.check_seed(seed)
     W = topology.world_size
     S = output.numel()
@@ -141,7 +159,10 @@ def reduce_scatter_quantized(
         return _plain_two_hop(output, input, topology, op == "avg", similarity, async_op)
     if bits is None:
         return _baseline(output, input, W, op, async_op)
-    call = _Qgz(output, input, bits, block_size, topology, op == "avg", stochastic, seed, num_chunks, similarity)
+    if hadamard:
+        input = rows.hadamard_rows(input.reshape(W, S), block_size)
+    call = _Qgz(output, input, hop_bits, block_size, topology, op == "avg", stochastic, seed, num_chunks, similarity,
+                hadamard, outliers)
     return finish(call.complete, async_op, "qcoll::qgZ")
 
 
@@ -154,13 +175,19 @@ class _Qgz:
     no peer is left waiting, and :meth:`complete` raises the first failure.
     """
 
-    def __init__(self, output, input, bits, block_size, topology, average, stochastic, seed, num_chunks,
-                 similarity=None):
-        self.t, self.bits, self.block_size, self.average = topology, bits, block_size, average
+    def __init__(self, output, input, hop_bits, block_size, topology, average, stochastic, seed, num_chunks,
+                 similarity=None, rotated=False, outliers=0):
+        self.t, self.block_size, self.average, self.rotated = topology, block_size, average, rotated
+        self.k = outliers
         self.similarity = similarity
         self.stochastic = stochastic
         self.seed = rank_seed(seed, topology.rank) if stochastic else 0
         self.N, self.L = topology.num_nodes, topology.ranks_per_node
+        intra, inter = hop_bits
+        # the codes' width before and after the requantization between the hops (a hop that
+        # does not run, with one rank per node or one node, leaves one width for both)
+        self.bits1 = intra if self.L > 1 else inter
+        self.bits2 = inter if self.N > 1 else self.bits1
         self.output = output
         S = output.numel()
         self.x3 = input.reshape(self.N, self.L, S)
@@ -174,23 +201,24 @@ class _Qgz:
                 self.first[k + 1] = self._hop1(k + 1)
             self.second[k] = self._hop2(k)
 
-    def _header(self, k: int) -> framing.Header:
+    def _header(self, k: int, hop: int) -> framing.Header:
         a, b = self.chunks[k]
-        return framing.Header(self.bits, self.block_size, b - a)
+        return framing.Header(self.bits1 if hop == 1 else self.bits2, self.block_size, b - a, rotated=self.rotated,
+                              outliers=self.k)
 
     def _hop1(self, k: int):
         """Reorder and quantize chunk ``k``, send each local peer its N slices; (recv, work)."""
         a, b = self.chunks[k]
-        q1 = rows.swizzle_quantize(self.x3[:, :, a:b].contiguous(), self.N, self.L, self.bits, self.block_size,
-                                   self.stochastic, self.seed, a)
+        q1 = reserve.swizzle_quantize(self.x3[:, :, a:b].contiguous(), self.N, self.L, self.bits1, self.block_size,
+                                      self.k, self.stochastic, self.seed, a)
         if self.L == 1:
             return q1.view(1, self.N, -1), None
-        return _all_to_all(framing.frame(q1.view(self.L, -1), self._header(k)), self.t.intra_group, self.L)
+        return _all_to_all(framing.frame(q1.view(self.L, -1), self._header(k, 1)), self.t.intra_group, self.L)
 
     def _received(self, k: int, hop: int, recv, work, shape):
         """The checked payload of a hop's frames in ``shape``, or None (recorded) when they disagree."""
         name = "reduce_scatter (intra-node hop)" if hop == 1 else "reduce_scatter (inter-node hop)"
-        header = self._header(k)
+        header = self._header(k, hop)
         wait_work(work, name, lambda: f"frames of {recv.shape[1]} bytes ({header.describe()})")
         try:
             return framing.unframe(recv, header, self.receipt1 if hop == 1 else self.receipt2).view(*shape)
@@ -205,7 +233,7 @@ class _Qgz:
         if self.N == 1:
             return got, None
         a, b = self.chunks[k]
-        header = self._header(k)
+        header = self._header(k, 2)
         if got is None:          # pass the failure on instead of leaving the other nodes waiting
             return self._poison(header)
         if self.L == 1:
@@ -213,11 +241,11 @@ class _Qgz:
         else:
             if self.similarity is not None:  # hop 1's noise is all in this node's partial sums
                 received = got.reshape(-1, got.shape[-1])
-                values = rows.dequantize_rows(received, b - a, self.bits, self.block_size, torch.float32)
-                energy = sim.noise_energy(received, values, self.bits, self.block_size, self.stochastic)
+                values = rows.dequantize_rows(received, b - a, self.bits1, self.block_size, torch.float32)
+                energy = sim.noise_energy(received, values, self.bits1, self.block_size, self.stochastic)
                 sim.add_half_noise(self.similarity, energy, self.t.node < sim.half_split(self.N))
-            q2 = rows.reduce_requantize(got, b - a, self.bits, self.block_size, self.bits, self.block_size,
-                                        self.stochastic, self.seed, a)
+            q2 = reserve.reduce_requantize(got, b - a, self.bits1, self.bits2, self.block_size, self.k,
+                                           self.stochastic, self.seed, a)
         return _all_to_all(framing.frame(q2.view(self.N, -1), header), self.t.inter_group, self.N)
 
     def _poison(self, header: framing.Header):
@@ -231,7 +259,9 @@ class _Qgz:
 
     def complete(self):
         """Wait for every hop, reduce each chunk into the output; raise the first mismatch."""
-        out_flat = self.output.view(-1)
+        # rotated: reduce into fp32, rotate back, then round once to the output's dtype
+        out_flat = self.output.view(-1) if not self.rotated else torch.empty(
+            self.output.numel(), dtype=torch.float32, device=self.output.device)
         for k, (a, b) in enumerate(self.chunks):
             recv, work = self.second[k]
             got = recv if work is None else self._received(k, 2, recv, work, (self.N, 1, -1))
@@ -239,12 +269,14 @@ class _Qgz:
                 continue         # keep waiting for every hop, decode nothing
             if self.similarity is not None:
                 self._measure(got, b - a)
-            total = rows.dequantize_reduce(got, b - a, self.bits, self.block_size)[0]
+            total = reserve.dequantize_reduce(got, b - a, self.bits2, self.block_size, self.k)[0]
             if self.average:
                 total = total / self.t.world_size
             out_flat[a:b].copy_(total)
         if self.failures:
             raise self.failures[0]
+        if self.rotated:  # the sum of rotated slices is the rotated sum: rotate it back
+            self.output.view(1, -1).copy_(rows.hadamard_rows(out_flat.view(1, -1), self.block_size))
         return self.output
 
 
@@ -253,9 +285,9 @@ class _Qgz:
         (node partial sums, or with one node the local ranks' slices) split in two halves."""
         contributions = got.reshape(got.shape[0], -1)
         half = sim.half_split(contributions.shape[0])
-        parts = rows.dequantize_rows(contributions, n, self.bits, self.block_size, torch.float32)
+        parts = rows.dequantize_rows(contributions, n, self.bits2, self.block_size, torch.float32)
         sim.add_parts(self.similarity, parts, half)
-        sim.add_noise(self.similarity, sim.noise_energy(contributions, parts, self.bits, self.block_size,
+        sim.add_noise(self.similarity, sim.noise_energy(contributions, parts, self.bits2, self.block_size,
                                                         self.stochastic), half)
 
 

@@ -6,9 +6,8 @@ from dataclasses import dataclass
 import torch
 
 from .c10d import all_gather_flat
-from ..quant import rows
 from . import framing, validate
-from .all_gather import AllGatherResult
+from .all_gather import AllGatherResult, decode_into
 from .handle import finish, labelled, wait_work
 from .stats import stats
 from .topology import Topology
@@ -37,6 +36,7 @@ class SecondaryShard:
     bits: int | None
     block_size: int
     dtype: torch.dtype
+    outliers: int = 0
 
     @classmethod
     def keep(cls, gathered: AllGatherResult, topology: Topology) -> "SecondaryShard":
@@ -52,11 +52,12 @@ class SecondaryShard:
                              f"({topology.world_size} ranks), got one over {gathered.rows.shape[0]}")
         lo = topology.local_rank * topology.num_nodes
         return cls(topology, gathered.rows[lo: lo + topology.num_nodes].clone(), gathered.numel, gathered.bits,
-                   gathered.block_size, gathered.dtype)
+                   gathered.block_size, gathered.dtype, gathered.outliers)
 
     def header(self) -> framing.Header | None:
         """The frame header every kept quantized shard carries (None when unquantized)."""
-        return None if self.bits is None else framing.Header(self.bits, self.block_size, self.numel)
+        return None if self.bits is None else framing.Header(self.bits, self.block_size, self.numel,
+                                                             outliers=self.outliers)
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +110,7 @@ def replica_gather(output: torch.Tensor, secondary: SecondaryShard, async_op: bo
             framing.check_unframed(output.view(torch.uint8).view(W, -1), lambda: _receipt(t))
         else:
             payload = framing.unframe(recv.view(W, -1), header, lambda: _receipt(t))
-            rows.dequantize_rows_into(payload, n, header.bits, header.block_size, output.view(W, n))
+            decode_into(payload, header, output.view(W, n))
         return output
 
     return finish(complete, async_op, "qcoll::hpZ")

@@ -41,6 +41,19 @@ def check_quant_args(bits, block_size) -> None:
     fmt.check_block_size(block_size)
 
 
+def check_hop_bits(bits, block_size) -> tuple[int, int] | None:
+    """qgZ's ``bits``: None, one width for both hops, or ``(intra, inter)``; returns the pair (or None)."""
+    fmt.check_block_size(block_size)
+    if bits is None:
+        return None
+    if isinstance(bits, (tuple, list)):
+        if len(bits) != 2:
+            raise ValueError(f"bits must be an int or a pair (intra-node bits, inter-node bits), got {bits!r}")
+        return fmt.check_bits(bits[0], "bits[0] (intra-node)"), fmt.check_bits(bits[1], "bits[1] (inter-node)")
+    fmt.check_bits(bits)
+    return bits, bits
+
+
 def check_async(async_op) -> None:
     check_bool(async_op, "async_op")
 
@@ -69,13 +82,15 @@ def debug_check(op: str, group, numel: int, bits, block_size: int, dtype: torch.
     """All ranks of ``group`` agree on the collective's metadata, or all raise."""
     if not debug_enabled():
         return
-    mine = torch.tensor([_OPS[op], numel, bits or 0, block_size, _DTYPE_CODES[dtype]], dtype=torch.int64, device=device)
+    intra, inter = bits if isinstance(bits, (tuple, list)) else (bits, bits)
+    mine = torch.tensor([_OPS[op], numel, intra or 0, inter or 0, block_size, _DTYPE_CODES[dtype]], dtype=torch.int64,
+                        device=device)
     size = dist.get_world_size(group)
     every = torch.empty(size, mine.numel(), dtype=torch.int64, device=device)
     all_gather_flat(every.view(-1), mine, group=group)
     if bool((every == every[0]).all()):
         return
-    fields = ("op", "numel", "bits", "block_size", "dtype")
+    fields = ("op", "numel", "bits", "inter_bits", "block_size", "dtype")
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     rows = ", ".join(
         f"rank {r}: " + " ".join(f"{f}={int(v)}" for f, v in zip(fields, row)) for r, row in zip(ranks, every.tolist())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import compiled, reference
+from .hadamard import hadamard_rows  # noqa: F401  (the rotation has no compiled path: the reference)
 
 
 def quantize_rows(x: torch.Tensor, bits: int, block_size: int, stochastic: bool = False, seed: int = 0,

@@ -1,6 +1,9 @@
 """Constants, sizes and argument checks of the qcoll wire format (docs/FORMAT.md)."""
 from __future__ import annotations
 
+import math
+import struct
+
 import torch
 
 from ..checks import check_int
@@ -72,3 +75,9 @@ def packed_nbytes(numel: int, bits: int, block_size: int) -> int:
     """Bytes of one packed row ``[codes | scales]`` holding ``numel`` elements."""
     nb = num_blocks(numel, block_size)
     return nb * (block_code_bytes(bits, block_size) + SCALE_BYTES)
+
+
+def rotation_scale(block_size: int) -> float:
+    """The Hadamard rotation's normalization ``fp32(1 / sqrt(block_size))`` (docs/FORMAT.md
+    "Rotation"), as the Python float holding that fp32 value."""
+    return float(struct.unpack("<f", struct.pack("<f", 1.0 / math.sqrt(block_size)))[0])

@@ -16,6 +16,7 @@ import torch
 from . import format as fmt
 from .bitpack import pack_codes, unpack_codes
 from .rng import uniform
+from .hadamard import hadamard_rows  # noqa: F401  (this module's twin of bindings.ops.hadamard_rows)
 
 
 def pad_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:

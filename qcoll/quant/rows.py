@@ -84,3 +84,8 @@ def reduce_requantize(bufs, n, bits_in, block_in, bits_out, block_out, stochasti
     """uint8 ``[k, rows, nbytes_in]`` -> dequantize, sum in fp32, quantize: uint8 ``[rows, nbytes_out]``."""
     return codec_for(bufs).reduce_requantize(bufs, n, bits_in, block_in, bits_out, block_out, stochastic, seed,
                                              offset)
+
+
+def hadamard_rows(x, block_size) -> torch.Tensor:
+    """fp32 ``[rows, n]``: every full block of each row Hadamard-rotated (self-inverse)."""
+    return codec_for(x).hadamard_rows(x.to(torch.float32), block_size)

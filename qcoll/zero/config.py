@@ -8,6 +8,7 @@ import torch
 
 from ..checks import check_bool, check_int
 from ..quant import format as fmt
+from ..quant import outliers as reserve
 
 _COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
@@ -22,8 +23,14 @@ class ZeroConfig:
     ``weight_bits``: qwZ bits of the forward (and, without hpZ, backward) weight
     all-gather, ``None`` for the unquantized gather. ``hpz``: keep a node-local
     secondary shard so the backward gather stays inside the node. ``grad_bits``:
-    qgZ bits of the gradient reduce-scatter, ``None`` for ``reduce_scatter_tensor``.
+    qgZ bits of the gradient reduce-scatter, ``None`` for ``reduce_scatter_tensor``, or a
+    pair ``(intra, inter)``: each hop's width (e.g. ``(8, 4)``: 8-bit inside the node,
+    4-bit across nodes, as SDP4Bit).
     ``weight_block`` / ``grad_block``: quantization block sizes.
+    ``grad_hadamard``: rotate each gradient block with the orthonormal Walsh-Hadamard
+    matrix before qgZ quantizes it (spreads outliers; docs/FORMAT.md "Rotation").
+    ``weight_outliers`` / ``grad_outliers``: keep each block's ``k`` largest-magnitude
+    values exactly beside the codes (docs/FORMAT.md "Outlier reserve"; 0 to 8, 0 off).
     ``stochastic_grad_rounding``: stochastic rounding of gradients (seeded by the
     step, the unit and the rank: reproducible). ``prefetch``: how many units ahead
     to gather asynchronously (0 disables). ``compute_dtype``: dtype of the gathered
@@ -35,21 +42,37 @@ class ZeroConfig:
 
     weight_bits: int | None = 8
     hpz: bool = True
-    grad_bits: int | None = 4
+    grad_bits: int | tuple[int, int] | None = 4
     weight_block: int = fmt.DEFAULT_WEIGHT_BLOCK
     grad_block: int = fmt.DEFAULT_GRAD_BLOCK
     stochastic_grad_rounding: bool = False
+    grad_hadamard: bool = False
+    weight_outliers: int = 0
+    grad_outliers: int = 0
     prefetch: int = 1
     compute_dtype: torch.dtype | None = None
 
     def __post_init__(self):
         if self.weight_bits is not None:
             fmt.check_bits(self.weight_bits, "weight_bits")
-        if self.grad_bits is not None:
+        if isinstance(self.grad_bits, (tuple, list)):
+            if len(self.grad_bits) != 2:
+                raise ValueError(f"grad_bits must be an int, None or a pair (intra-node bits, inter-node bits), "
+                                 f"got {self.grad_bits!r}")
+            pair = (fmt.check_bits(self.grad_bits[0], "grad_bits[0] (intra-node)"),
+                    fmt.check_bits(self.grad_bits[1], "grad_bits[1] (inter-node)"))
+            object.__setattr__(self, "grad_bits", pair)
+        elif self.grad_bits is not None:
             fmt.check_bits(self.grad_bits, "grad_bits")
+        for name, bits, block in (("weight_outliers", self.weight_bits, self.weight_block),
+                                  ("grad_outliers", self.grad_bits, self.grad_block)):
+            if reserve.check_outliers(getattr(self, name), block, name) and bits is None:
+                raise ValueError(f"{name}={getattr(self, name)} needs quantization ({name[:-9]}_bits is None)")
+        if self.grad_hadamard and self.grad_bits is None:
+            raise ValueError("grad_hadamard=True needs quantized gradients (grad_bits is None)")
         fmt.check_block_size(self.weight_block, "weight_block")
         fmt.check_block_size(self.grad_block, "grad_block")
-        for name in ("hpz", "stochastic_grad_rounding"):
+        for name in ("hpz", "stochastic_grad_rounding", "grad_hadamard"):
             check_bool(getattr(self, name), name)
         check_int(self.prefetch, "prefetch", minimum=0)
         if self.compute_dtype not in _COMPUTE_DTYPES:

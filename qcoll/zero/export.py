@@ -63,6 +63,9 @@ def export_quantized(model, path) -> None:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
     state.engine.wait_reduces()
+    if config.weight_outliers:
+        raise ValueError(f"export_quantized: weight_outliers={config.weight_outliers} is not in the quantized-weights "
+                         "file format (format v1 holds plain codes and scales); export from a config without it")
     bits, block = config.weight_bits, config.weight_block
     by_param = {}
     for g in state.groups:

@@ -127,7 +127,8 @@ class FlatGroup:
         self._keep_gathered = self.config.hpz and not backward and (
             self.hold_secondary or (torch.is_grad_enabled() and self.trainable))
         self._pending = all_gather_quantized(self.full, src, bits=self.config.weight_bits,
-                                             block_size=self.config.weight_block, async_op=True)
+                                             block_size=self.config.weight_block, async_op=True,
+                                             outliers=self.config.weight_outliers)
 
     def wait_for_unshard(self) -> None:
         """GATHERING -> GATHERED (a no-op when gathered): wait for the gather; a forward
@@ -240,7 +241,8 @@ class FlatGroup:
         handle = reduce_scatter_quantized(shard, flat, bits=cfg.grad_bits, block_size=cfg.grad_block,
                                           topology=self.topology, op="avg", stochastic=cfg.stochastic_grad_rounding,
                                           seed=seed if cfg.stochastic_grad_rounding else 0, async_op=True,
-                                          similarity=similarity)
+                                          similarity=similarity, hadamard=cfg.grad_hadamard,
+                                          outliers=cfg.grad_outliers)
         self.grad_state = GradState.REDUCING
         self.drop_secondary()
         self.reshard()
