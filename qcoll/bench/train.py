@@ -51,6 +51,12 @@ MODES = {
     "zeropp-w4-g84had": dict(weight_bits=4, hpz=True, grad_bits=(8, 4), grad_hadamard=True),
     "zeropp-w2": dict(weight_bits=2, hpz=True, grad_bits=4),
     "zeropp-w2-out2": dict(weight_bits=2, hpz=True, grad_bits=4, weight_outliers=2),
+    # small parameters replicated (issue 20). DeepSpeed's default threshold, 1e5 elements, replicates
+    # every matrix of the 0.8M-parameter char transformer (a DDP-like all-reduce); 1e4 keeps the
+    # LayerNorms, biases and the position table whole and shards the matrices
+    "zero3-persist": dict(weight_bits=None, hpz=False, grad_bits=None, persist_threshold=100_000),
+    "zero3-p10k": dict(weight_bits=None, hpz=False, grad_bits=None, persist_threshold=10_000),
+    "zeropp-p10k": dict(weight_bits=8, hpz=True, grad_bits=4, persist_threshold=10_000),
 }
 PEERS = ("fsdp2",)
 

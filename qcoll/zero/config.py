@@ -13,7 +13,8 @@ from ..quant import outliers as reserve
 _COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
 # DeepSpeed ``zero_optimization`` keys that qcoll understands; everything else is ignored (and named).
-_DS_KNOWN = {"stage", "zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients"}
+_DS_KNOWN = {"stage", "zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients",
+             "stage3_param_persistence_threshold"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +36,9 @@ class ZeroConfig:
     step, the unit and the rank: reproducible). ``prefetch``: how many units ahead
     to gather asynchronously (0 disables). ``compute_dtype``: dtype of the gathered
     parameters and the forward/backward (``None``: fp32); master weights and
-    optimizer state are always fp32.
+    optimizer state are always fp32. ``persist_threshold``: parameters of fewer elements
+    stay whole on every rank, never gathered, their gradients averaged by one all-reduce
+    per backward (DeepSpeed's ``stage3_param_persistence_threshold``; 0 shards everything).
 
     ``ZeroConfig(weight_bits=None, hpz=False, grad_bits=None)`` is plain ZeRO-3.
     """
@@ -51,6 +54,7 @@ class ZeroConfig:
     grad_outliers: int = 0
     prefetch: int = 1
     compute_dtype: torch.dtype | None = None
+    persist_threshold: int = 0
 
     def __post_init__(self):
         if self.weight_bits is not None:
@@ -75,6 +79,7 @@ class ZeroConfig:
         for name in ("hpz", "stochastic_grad_rounding", "grad_hadamard"):
             check_bool(getattr(self, name), name)
         check_int(self.prefetch, "prefetch", minimum=0)
+        check_int(self.persist_threshold, "persist_threshold", minimum=0)
         if self.compute_dtype not in _COMPUTE_DTYPES:
             raise TypeError(f"compute_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, "
                             f"got {self.compute_dtype!r}")
@@ -94,7 +99,8 @@ class ZeroConfig:
 
         ``stage`` must be 3. ``zero_quantized_weights`` -> 8-bit qwZ,
         ``zero_quantized_gradients`` -> 4-bit qgZ, ``zero_hpz_partition_size > 1``
-        -> hpZ with the node (``ranks_per_node``) as the secondary group; a size
+        -> hpZ with the node (``ranks_per_node``) as the secondary group,
+        ``stage3_param_persistence_threshold`` -> ``persist_threshold``; a size
         other than ``ranks_per_node`` gets a warning naming both. Keys qcoll does
         not implement are listed in one warning and otherwise ignored.
         ``overrides`` are further :class:`ZeroConfig` fields.
@@ -121,6 +127,7 @@ class ZeroConfig:
             "weight_bits": 8 if section.get("zero_quantized_weights", False) else None,
             "grad_bits": 4 if section.get("zero_quantized_gradients", False) else None,
             "hpz": hpz_size > 1,
+            "persist_threshold": int(section.get("stage3_param_persistence_threshold", 0)),
         }
         fields.update(overrides)
         return cls(**fields)

@@ -69,6 +69,9 @@ def export_quantized(model, path) -> None:
     bits, block = config.weight_bits, config.weight_block
     by_param = {}
     for g in state.groups:
+        if g.replicated:  # persistent parameters: the forward uses them unquantized; stored plain
+            g.gather_now(backward=False)  # (their values as of the master now)
+            continue
         if not g.params:
             continue
         for p, w, orig in zip(g.params, _group_weights(g, bits, block, config.dtype), g.orig_dtypes):

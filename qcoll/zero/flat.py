@@ -46,6 +46,9 @@ from .group_state import GatherState, GradState, assert_in
 
 
 class FlatGroup:
+    #: whether every rank holds all of the group (:class:`~qcoll.zero.replicated.ReplicatedGroup`)
+    replicated = False
+
     def __init__(self, name: str, index: int, params: list[tuple[str, nn.Parameter]], topology: Topology,
                  config: ZeroConfig, sync_module_states: bool):
         self.name = name
@@ -59,20 +62,21 @@ class FlatGroup:
         self.orig_dtypes = [p.dtype for p in self.params]
         self.numels = [p.numel() for p in self.params]
         self.total = sum(self.numels)
-        self.align = config.weight_block if config.weight_bits is not None else 1
+        self.align = config.weight_block if config.weight_bits is not None and not self.replicated else 1
         self.offsets = _aligned_offsets(self.numels, self.align)
-        W = topology.world_size
+        # the layout's world: the ranks the buffer is split over (1 for a replicated group)
+        W, r = (1, 0) if self.replicated else (topology.world_size, topology.rank)
         end = self.offsets[-1] + self.numels[-1] if self.params else 0
         self.shard_numel = _round_up(-(-end // W), self.align)
         #: this rank's slice of the compact layout (no padding): what checkpoints hold
-        self.compact_shard_numel = -(-self.total // W)
+        self.compact_shard_numel = -(-self.total // topology.world_size)
         self.local_numel = max(0, min(self.compact_shard_numel, self.total - topology.rank * self.compact_shard_numel))
         full = torch.zeros(W * self.shard_numel, dtype=torch.float32, device=self.params[0].device)
         for p, off, n in zip(self.params, self.offsets, self.numels):
             full[off:off + n].copy_(p.detach().reshape(-1))
-        if sync_module_states and W > 1:
+        if sync_module_states and topology.world_size > 1:
             dist.broadcast(full, src=0)
-        r, S = topology.rank, self.shard_numel
+        S = self.shard_numel
         self.master = nn.Parameter(full[r * S:(r + 1) * S].clone(), requires_grad=self.trainable)
         del full
         self.full = torch.empty(W * S, dtype=config.dtype, device=self.master.device)

@@ -19,6 +19,7 @@ from ..comm.topology import current_topology
 from .config import ZeroConfig
 from .engine import Engine
 from .flat import FlatGroup
+from .replicated import ReplicatedGroup
 from .state import MANAGED_ATTR, STATE_ATTR, ZeroState, state_of
 from .units import build_units
 
@@ -199,16 +200,28 @@ def _check_not_sharded(model: nn.Module) -> None:
 def _build_state(model: nn.Module, topology: Topology, config: ZeroConfig, units, sync_module_states: bool):
     unit_list = build_units(model, units)
     groups, group_of = [], {}
+
+    def add(cls, name, params):
+        g = cls(name, len(groups), params, topology, config, sync_module_states)
+        groups.append(g)
+        for _, p in params:
+            group_of[id(p)] = g
+            setattr(p, MANAGED_ATTR, True)
+
+    # decided before any group is built (a built group's parameters are released: numel 0)
+    persistent = {id(p) for u in unit_list for _, p in u.owned if p.numel() < config.persist_threshold}
+    small = lambda p: id(p) in persistent  # noqa: E731
     for u in unit_list:
-        trainable = [(n, p) for n, p in u.owned if p.requires_grad]
-        frozen = [(n, p) for n, p in u.owned if not p.requires_grad]
+        trainable = [(n, p) for n, p in u.owned if p.requires_grad and not small(p)]
+        frozen = [(n, p) for n, p in u.owned if not p.requires_grad and not small(p)]
         for params, suffix in ((trainable, ""), (frozen, ".frozen")):
             if params:
-                g = FlatGroup(u.label + suffix, len(groups), params, topology, config, sync_module_states)
-                groups.append(g)
-                for _, p in params:
-                    group_of[id(p)] = g
-                    setattr(p, MANAGED_ATTR, True)
+                add(FlatGroup, u.label + suffix, params)
+    owned = [(n, p) for u in unit_list for n, p in u.owned if small(p)]
+    for params, name in (([(n, p) for n, p in owned if p.requires_grad], "<persistent>"),
+                         ([(n, p) for n, p in owned if not p.requires_grad], "<persistent>.frozen")):
+        if params:
+            add(ReplicatedGroup, name, params)
     for u in unit_list:
         u.groups = list(dict.fromkeys(group_of[id(p)] for p in u.used))
     return ZeroState(topology, config, unit_list, groups, Engine(model, unit_list, groups, config))

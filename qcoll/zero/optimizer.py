@@ -153,9 +153,11 @@ class Optimizer(torch.optim.Optimizer):
         """Clip the global gradient norm (over all shards of all ranks) to ``max_norm``."""
         state_of(self.model).engine.wait_reduces()
         sq = torch.zeros(1, dtype=torch.float64)
+        replicated = {id(g.master) for g in state_of(self.model).groups if g.replicated}
+        world = dist.get_world_size()
         for m in self.masters:
-            if m.grad is not None:
-                sq += m.grad.double().pow(2).sum()
+            if m.grad is not None:  # a replicated master's gradient is on every rank: count it once
+                sq += m.grad.double().pow(2).sum() / (world if id(m) in replicated else 1)
         dist.all_reduce(sq)
         norm = sq.sqrt()
         factor = float(max_norm) / (float(norm) + 1e-6)
