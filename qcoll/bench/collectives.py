@@ -261,12 +261,11 @@ class _Point:
             out = torch.empty(W * n)
             fn = lambda b=b, out=out: comm.all_gather_quantized(out, shard, bits=b, block_size=B)  # noqa: E731
             rows += self.measure("all_gather", f"qwZ{b}", fn, out, ref, bits=b, block_size=B, raw=unframed(fn))
-        sec, sec_raw = comm.SecondaryShard(self.topo), comm.SecondaryShard(self.topo)
-
-        def fill(s):
-            comm.all_gather_quantized(torch.empty(W * n), shard, bits=HPZ_BITS, block_size=B, secondary=s)
-        fill(sec)
-        unframed(lambda: fill(sec_raw))()   # a raw replica gather needs a secondary filled without headers
+        def keep():
+            gathered = comm.all_gather_quantized(torch.empty(W * n), shard, bits=HPZ_BITS, block_size=B)
+            return comm.SecondaryShard.keep(gathered, self.topo)
+        sec = keep()
+        sec_raw = unframed(keep)()   # a raw replica gather needs a secondary kept without headers
         out = torch.empty(W * n)   # ratio_vs_fp32 stays relative to the fp32 all-gather
         rows += self.measure("replica_gather", f"hpZ{HPZ_BITS}", lambda: comm.replica_gather(out, sec), out, ref,
                              bits=HPZ_BITS, block_size=B, group_size=self.topo.ranks_per_node,
