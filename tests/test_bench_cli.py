@@ -385,3 +385,117 @@ def test_ctrl_c_stops_every_rank_cleanly(tmp_path):
     assert "interrupted" in err
     time.sleep(0.5)
     assert _session_pids(proc.pid) == set()
+
+
+# --- train: the peers as users configure them, and collectives per step (issue 20) -------------
+
+def _count_collectives(rank, world):
+    import torch.distributed as dist
+
+    from qcoll.bench.collcount import CollectiveCounter
+    from qcoll.comm import Topology
+    from qcoll.comm.c10d import all_gather_flat, reduce_scatter_flat
+
+    topo = Topology(L)                      # 2 nodes x 2: intra {0,1} {2,3}, inter {0,2} {1,3}
+    x = torch.ones(4)
+    dist.all_reduce(x)                      # before: not counted
+    with CollectiveCounter() as c:
+        dist.all_reduce(x)                                                          # world: spans nodes
+        all_gather_flat(torch.empty(8), torch.ones(4), group=topo.intra_group)      # a name bound at import
+        dist.all_to_all_single(torch.empty(4), torch.ones(4), group=topo.inter_group)
+        reduce_scatter_flat(torch.empty(1), torch.ones(4), async_op=True).wait()    # async: counted once
+        dist.barrier()
+        mark = c.snapshot()
+        dist.broadcast(x, src=0)
+        step = c.delta(c.snapshot(), mark)
+    dist.all_reduce(x)                      # after: not counted
+    restored = not any(hasattr(vars(dist.ProcessGroup).get(m), "__wrapped__") for m in ("allreduce", "barrier"))
+    return c.total, c.inter, dict(c.by_op), step, restored
+
+
+def test_collective_counter_counts_every_call_on_any_group(ranks4):
+    """One count per collective, whichever name the caller holds the function by; inter-node = the group spans
+    nodes; the ProcessGroup methods are the originals again after the block."""
+    for total, inter, by_op, step, restored in ranks4.run(_count_collectives):
+        assert (total, inter) == (6, 5)
+        assert by_op == {"allreduce": 1, "all_gather_single": 1, "all_to_all_single": 1, "reduce_scatter_single": 1,
+                         "barrier": 1, "broadcast": 1}
+        assert step == (1, 1, {"broadcast": 1})
+        assert restored
+
+
+TRAIN_LAYERS = 1
+TRAIN = ["train", "--nproc", str(W), "--ranks-per-node", str(L), "--modes", "zero3", "zeropp-bf16",
+         "--peer", "fsdp2", "fsdp2-bf16", "--steps", "3", "--warmup", "1", "--batch", "4",
+         "--layers", str(TRAIN_LAYERS), "--d-model", "64", "--heads", "2"]
+
+
+@pytest.fixture(scope="module")
+def train_peers(tmp_path_factory):
+    d = tmp_path_factory.mktemp("train")
+    p = subprocess.run([sys.executable, "-m", "qcoll.bench", *TRAIN, "--json", str(d / "out.json")],
+                       capture_output=True, text=True, timeout=600, cwd=d, env=_env(QCOLL_PROGRESS="0"))
+    assert p.returncode == 0, p.stderr
+    with open(d / "out.json") as f:
+        doc = json.load(f)
+    return {"runs": {r["mode"]: r for r in doc["runs"]}, "stdout": p.stdout}
+
+
+@slow
+def test_train_fsdp2_bf16_peer_moves_half_the_bytes(train_peers):
+    """FSDP2's bytes by DESIGN.md's rule (per unit: two all-gathers and a reduce-scatter of (W-1) shards over the
+    world, which spans nodes), 4 bytes per element in fp32 and 2 with the bf16 MixedPrecisionPolicy."""
+    from qcoll.testing import TransformerConfig, char_transformer
+
+    runs = train_peers["runs"]
+    assert list(runs) == ["zero3", "zeropp-bf16", "fsdp2", "fsdp2-bf16"]
+    model = char_transformer(TransformerConfig(context=64, d_model=64, n_layers=TRAIN_LAYERS, n_heads=2), 0)
+    shard = sum(math.ceil(p.numel() / W) for p in model.parameters())
+    assert runs["fsdp2"]["inter_bytes_per_step"] == 3 * (W - 1) * 4 * shard
+    assert runs["fsdp2-bf16"]["inter_bytes_per_step"] == 3 * (W - 1) * 2 * shard
+    # the same model, data and initial values: bf16 training starts from the same loss (to bf16's precision)
+    assert runs["fsdp2-bf16"]["first_loss"] == pytest.approx(runs["fsdp2"]["first_loss"], abs=0.02)
+    assert runs["zeropp-bf16"]["first_loss"] == pytest.approx(runs["zero3"]["first_loss"], abs=0.02)
+    for r in runs.values():
+        assert math.isfinite(r["final_loss"])
+
+
+@slow
+def test_train_collectives_per_step_follow_each_schedule(train_peers):
+    """Collectives per step against what each schedule issues. FSDP2, fully_shard on each of the B blocks and
+    the root: forward all-gathers B + 1, backward B (the root keeps its parameters after the forward, torch's
+    documented default), reduce-scatters B + 1. qcoll, G parameter groups (CharTransformer.units(): the
+    embedding, the blocks, the final norm, and the root's own positional table): ZeRO-3 per group a forward and a
+    backward all-gather and a reduce-scatter; ZeRO++ (hpZ, two-hop qgZ) a forward gather over the world, a
+    backward gather in the node and two all-to-alls (in the node, then across nodes); both one all-reduce of the
+    optimizer's non-finite check."""
+    B = TRAIN_LAYERS
+    G = 1 + B + 1 + 1
+    runs = train_peers["runs"]
+    for peer in ("fsdp2", "fsdp2-bf16"):
+        assert runs[peer]["collectives_by_op"] == {"all_gather_single": 2 * B + 1, "reduce_scatter_single": B + 1}
+        assert runs[peer]["collectives_per_step"] == runs[peer]["inter_collectives_per_step"] == 3 * B + 2
+    z3 = runs["zero3"]
+    assert z3["collectives_by_op"] == {"all_gather_single": 2 * G, "reduce_scatter_single": G, "allreduce": 1}
+    assert z3["collectives_per_step"] == z3["inter_collectives_per_step"] == 3 * G + 1
+    zpp = runs["zeropp-bf16"]
+    assert zpp["collectives_by_op"] == {"all_gather_single": 2 * G, "all_to_all_single": 2 * G, "allreduce": 1}
+    assert (zpp["collectives_per_step"], zpp["inter_collectives_per_step"]) == (4 * G + 1, 2 * G + 1)
+
+
+@slow
+def test_train_table_shows_collectives_and_the_best_peer(train_peers):
+    runs, out = train_peers["runs"], train_peers["stdout"]
+    lines = out.strip().splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["mode", "step(ms)"])
+    cols = lines[head].split()
+    assert "coll/step" in cols and "vs_best" in cols
+    rows = {line.split()[0]: line.split() for line in lines[head + 1:head + 1 + len(runs)]}
+    assert set(rows) == set(runs)
+    best = min((r for m, r in runs.items() if m in ("zero3", "fsdp2", "fsdp2-bf16")), key=lambda r: r["step_time_s"])
+    for mode, r in runs.items():
+        assert int(rows[mode][cols.index("coll/step")]) == r["collectives_per_step"]
+        assert r["best_peer"] == best["mode"]
+        assert r["speedup_vs_best_peer"] == pytest.approx(best["step_time_s"] / r["step_time_s"])
+        assert float(rows[mode][cols.index("vs_best")]) == pytest.approx(r["speedup_vs_best_peer"], abs=0.006)
+    assert f"fastest peer ({best['mode']})" in out

@@ -119,16 +119,41 @@ def test_counter_delta():
 
 
 def test_summary_table_ratios():
-    def mode(name, step, link):
-        return {"mode": name, "step_time_s": step, "link_bytes_per_step": link}
+    def mode(name, step, link, colls):
+        return {"mode": name, "step_time_s": step, "link_bytes_per_step": link, "collectives_per_step": colls}
 
-    runs = [{"link": "100mbit", "result": {"runs": [mode("zero3", 2.0, 4000), mode("zeropp", 0.5, 500),
-                                                     mode("fsdp2", 2.5, 4400)]}}]
-    rows = {line.split()[1]: line.split() for line in cluster.summary_table(runs).splitlines()
-            if line.startswith("   100mbit")}
-    # columns: link mode step(ms) link/step vs_zero3 bytes_x vs_fsdp2
-    assert rows["zeropp"][2:] == ["500.0", "500", "4.00", "0.125", "5.00"]
-    assert rows["zero3"][2:] == ["2000.0", "4000", "1.00", "1.000", "1.25"]
+    runs = [{"link": "100mbit", "result": {"runs": [mode("zero3", 2.0, 4000, 22), mode("zeropp", 0.5, 500, 29),
+                                                     mode("fsdp2", 2.5, 4400, 14),
+                                                     mode("fsdp2-bf16", 1.25, 2200, 14)]}},
+            {"link": "unlimited", "result": {"runs": [mode("zero3", 0.2, 4000, 22), mode("zeropp", 0.25, 500, 29),
+                                                       mode("fsdp2", 0.3, 4400, 14),
+                                                       mode("fsdp2-bf16", 0.4, 2200, 14)]}}]
+    table = cluster.summary_table(runs).splitlines()
+    cols = next(line.split() for line in table if line.split()[:2] == ["link", "mode"])
+    assert cols == ["link", "mode", "step(ms)", "link/step", "coll/step", "vs_zero3", "bytes_x", "vs_fsdp2",
+                    "vs_fsdp2-bf16", "vs_best"]
+    rows = {(line.split()[0], line.split()[1]): line.split()[2:] for line in table
+            if line.split()[:1] in (["100mbit"], ["unlimited"])}
+    # at 100mbit the fastest peer is FSDP2-bf16, unlimited ZeRO-3 (ZeRO++ is slower there: vs_best < 1)
+    assert rows["100mbit", "zeropp"] == ["500.0", "500", "29", "4.00", "0.125", "5.00", "2.50", "2.50"]
+    assert rows["100mbit", "zero3"] == ["2000.0", "4000", "22", "1.00", "1.000", "1.25", "0.62", "0.62"]
+    assert rows["100mbit", "fsdp2-bf16"] == ["1250.0", "2200", "14", "1.60", "0.550", "2.00", "1.00", "1.00"]
+    assert rows["unlimited", "zeropp"] == ["250.0", "500", "29", "0.80", "0.125", "1.20", "1.60", "0.80"]
+    assert "best peer at 100mbit: fsdp2-bf16 (1250.0 ms)" in table
+    assert "best peer at unlimited: zero3 (200.0 ms)" in table
+    summary = {(r["link"], r["mode"]): r for r in cluster.summary_rows(runs)}
+    assert summary["100mbit", "zeropp"]["best_peer"] == "fsdp2-bf16"
+    assert summary["100mbit", "zeropp"]["speedup_vs_best_peer"] == pytest.approx(2.5)
+    assert summary["unlimited", "zeropp"]["collectives_per_step"] == 29
+
+
+def test_summary_table_without_peers():
+    """A run without FSDP2 or ZeRO-3 has no best peer: dashes, no 'best peer' line."""
+    runs = [{"link": "1gbit", "result": {"runs": [{"mode": "zeropp", "step_time_s": 0.5, "link_bytes_per_step": 9,
+                                                   "collectives_per_step": 29}]}}]
+    table = cluster.summary_table(runs)
+    assert table.splitlines()[-1].split() == ["1gbit", "zeropp", "500.0", "9", "29", "-", "-", "-", "-", "-"]
+    assert "best peer" not in table
 
 
 # --- argument errors (no namespace is built; no root needed) --------------------------------
@@ -236,8 +261,8 @@ def test_create_failure_leaves_nothing(monkeypatch):
 
 # --- end to end (root) -----------------------------------------------------------------------
 
-TRAIN = ["train", "--modes", "zero3", "zeropp", "--steps", "3", "--warmup", "1", "--batch", "4",
-         "--layers", "1", "--d-model", "64"]
+TRAIN = ["train", "--modes", "zero3", "zeropp", "--peer", "fsdp2-bf16", "--steps", "3", "--warmup", "1",
+         "--batch", "4", "--layers", "1", "--d-model", "64"]
 
 
 def _cluster(argv, cwd, **popen):
@@ -268,7 +293,18 @@ def test_train_on_cluster_end_to_end(tmp_path):
     # (hpZ keeps the backward gather in the node) and int4 gradients: well under a quarter
     assert zpp / z3 <= 0.25, (zpp, z3)
     assert modes["zeropp"]["link_ratio_vs_zero3"] == pytest.approx(zpp / z3)
-    assert "summary" in stdout and "50mbit" in stdout
+    # FSDP2 with bf16 all-gathers and reduce-scatters: half of ZeRO-3's fp32 bytes on qcoll's rule; on the wire
+    # well under ZeRO-3's (gloo's ring keeps part of each inside the node, so not exactly half), well over ZeRO++'s
+    f16 = modes["fsdp2-bf16"]
+    assert f16["inter_bytes_per_step"] * 2 == modes["zero3"]["inter_bytes_per_step"]
+    assert zpp < f16["link_bytes_per_step"] < 0.75 * z3, (zpp, f16["link_bytes_per_step"], z3)
+    summary = {r["mode"]: r for r in doc["summary"]}
+    assert set(summary) == {"zero3", "zeropp", "fsdp2-bf16"}
+    assert all(summary[m]["collectives_per_step"] == modes[m]["collectives_per_step"] > 0 for m in summary)
+    assert summary["zeropp"]["best_peer"] in ("zero3", "fsdp2-bf16")
+    head = next(line.split() for line in stdout.splitlines() if line.split()[:2] == ["link", "mode"])
+    assert "coll/step" in head and "vs_fsdp2-bf16" in head and "vs_best" in head, head
+    assert "summary" in stdout and "best peer at 50mbit" in stdout
 
 
 GENERATE = ["generate", "--modes", "zero3", "zeropp-gen", "--tokens", "4", "--prompt-len", "4", "--layers", "1",

@@ -12,13 +12,14 @@ veth byte counters are read and the cluster is torn down again, also when the
 command fails, on Ctrl-C or on SIGTERM. Example::
 
     qcoll-bench cluster --nodes 2 --ranks-per-node 2 --link 100mbit 1gbit unlimited \\
-        --json cluster.json -- train --modes zero3 zeropp --peer fsdp2 --steps 20
+        --json cluster.json -- train --modes zero3 zeropp --peer fsdp2 fsdp2-bf16 --steps 20
 
 JSON (``--json FILE``)::
 
     {"command": "cluster", "nodes", "ranks_per_node", "world", "delay", "inner": [...],
      "runs": [{"link", "rate_bits", "seconds", "cross_node_bytes", "per_node": [...],
-               "result": <the inner command's JSON>}]}
+               "result": <the inner command's JSON>}],
+     "summary": [...]}   # train only: the summary table's rows (summary_rows)
 
 ``cross_node_bytes`` covers the whole command (start-up and warm-up included);
 ``train`` also reports per mode the bytes per timed step (``link_bytes_per_step``), ``generate``
@@ -121,9 +122,11 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if inner[0] == "train":
         print(summary_table(runs), flush=True)
     if args.json:
-        cli.write_json(args.json, {"command": NAME, "nodes": args.nodes, "ranks_per_node": args.ranks_per_node,
-                                   "world": world, "delay": netns.format_delay(delay), "inner": inner,
-                                   "runs": runs})
+        doc = {"command": NAME, "nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "world": world,
+               "delay": netns.format_delay(delay), "inner": inner, "runs": runs}
+        if inner[0] == "train":
+            doc["summary"] = summary_rows(runs)
+        cli.write_json(args.json, doc)
     return 0
 
 
@@ -241,19 +244,58 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def summary_table(runs: list[dict]) -> str:
-    """The table of record: per link and mode, step time, link bytes per step, ratios."""
-    head = (f"{'link':>10} {'mode':>10} {'step(ms)':>9} {'link/step':>11} {'vs zero3':>9} {'bytes_x':>8} "
-            f"{'vs fsdp2':>9}")
-    lines = ["", "summary (speed-ups are step-time ratios; bytes_x: link bytes per step / ZeRO-3's)", head]
+def summary_rows(runs: list[dict]) -> list[dict]:
+    """Per link and ``train`` mode: step time, link bytes and collectives per step, and the speed-ups (step-time
+    ratios) against ZeRO-3, each FSDP2 peer and the fastest peer at that link (:func:`qcoll.bench.train.best_peer`:
+    the fastest of the FSDP2 runs and qcoll's unquantized ZeRO-3 runs); None where the run is missing."""
+    from .train import PEERS, best_peer
+
+    rows = []
     for run in runs:
-        modes = {r["mode"]: r for r in run["result"]["runs"]}
-        for r in run["result"]["runs"]:
-            z, f = modes.get("zero3"), modes.get("fsdp2")
-            vz = f"{z['step_time_s'] / r['step_time_s']:.2f}" if z else "-"
-            vf = f"{f['step_time_s'] / r['step_time_s']:.2f}" if f else "-"
-            bx = (f"{r['link_bytes_per_step'] / z['link_bytes_per_step']:.3f}"
-                  if z and z.get("link_bytes_per_step") else "-")
-            lines.append(f"{run['link']:>10} {r['mode']:>10} {r['step_time_s'] * 1e3:>9.1f} "
-                         f"{round(r.get('link_bytes_per_step') or 0):>11} {vz:>9} {bx:>8} {vf:>9}")
+        results = run["result"]["runs"]
+        modes = {r["mode"]: r for r in results}
+        z, best = modes.get("zero3"), best_peer(results)
+        for r in results:
+            t = r["step_time_s"]
+            row = {"link": run["link"], "mode": r["mode"], "step_time_s": t,
+                   "link_bytes_per_step": r.get("link_bytes_per_step"),
+                   "collectives_per_step": r.get("collectives_per_step"),
+                   "inter_collectives_per_step": r.get("inter_collectives_per_step"),
+                   "speedup_vs_zero3": z["step_time_s"] / t if z else None,
+                   "bytes_vs_zero3": (r["link_bytes_per_step"] / z["link_bytes_per_step"]
+                                      if z and z.get("link_bytes_per_step") and r.get("link_bytes_per_step") is not None
+                                      else None),
+                   "best_peer": best["mode"] if best else None,
+                   "speedup_vs_best_peer": best["step_time_s"] / t if best else None}
+            for peer in PEERS:
+                row[f"speedup_vs_{peer}"] = modes[peer]["step_time_s"] / t if peer in modes else None
+            rows.append(row)
+    return rows
+
+
+def summary_table(runs: list[dict]) -> str:
+    """The table of record: per link and mode, step time, link bytes and collectives per step, ratios."""
+    from .train import PEERS
+
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    rows = summary_rows(runs)
+    w = max([10] + [len(r["mode"]) for r in rows])
+    head = (f"{'link':>10} {'mode':>{w}} {'step(ms)':>9} {'link/step':>11} {'coll/step':>9} {'vs_zero3':>9} "
+            f"{'bytes_x':>8}" + "".join(f" {'vs_' + p:>13}" for p in PEERS) + f" {'vs_best':>8}")
+    lines = ["", "summary (speed-ups are step-time ratios; bytes_x: link bytes per step / ZeRO-3's; coll/step: "
+                 "collectives per rank per step; vs_best: against the fastest peer of FSDP2 and ZeRO-3 at that link)",
+             head]
+    for r in rows:
+        lines.append(f"{r['link']:>10} {r['mode']:>{w}} {r['step_time_s'] * 1e3:>9.1f} "
+                     f"{round(r['link_bytes_per_step'] or 0):>11} {f(r['collectives_per_step'], 'd'):>9} "
+                     f"{f(r['speedup_vs_zero3'], '.2f'):>9} {f(r['bytes_vs_zero3'], '.3f'):>8}"
+                     + "".join(f" {f(r['speedup_vs_' + p], '.2f'):>13}" for p in PEERS)
+                     + f" {f(r['speedup_vs_best_peer'], '.2f'):>8}")
+    for link in dict.fromkeys(r["link"] for r in rows):
+        best = next(r for r in rows if r["link"] == link)["best_peer"]
+        if best:
+            ms = next(r for r in rows if r["link"] == link and r["mode"] == best)["step_time_s"] * 1e3
+            lines.append(f"best peer at {link}: {best} ({ms:.1f} ms)")
     return "\n".join(lines)

@@ -261,6 +261,7 @@ class _Point:
             out = torch.empty(W * n)
             fn = lambda b=b, out=out: comm.all_gather_quantized(out, shard, bits=b, block_size=B)  # noqa: E731
             rows += self.measure("all_gather", f"qwZ{b}", fn, out, ref, bits=b, block_size=B, raw=unframed(fn))
+
         def keep():
             gathered = comm.all_gather_quantized(torch.empty(W * n), shard, bits=HPZ_BITS, block_size=B)
             return comm.SecondaryShard.keep(gathered, self.topo)

@@ -1,19 +1,38 @@
-"""``qcoll-bench train``: the char transformer trained with ZeRO-3, ZeRO++ and (``--peer fsdp2``) FSDP2.
+"""``qcoll-bench train``: the char transformer trained with ZeRO-3, ZeRO++ and (``--peer``) FSDP2.
 
 Every mode trains the same model (same initial values), on the same batches of
 the Python standard library's sources, with the same AdamW, for ``--steps``
 steps. Printed per mode: median step time (after ``--warmup`` steps), tokens/s,
 first and final loss, bytes per step handed to intra- and inter-node groups
-(qcoll's byte counters; FSDP2's are its fp32 all-gathers and reduce-scatter over
-the world, counted by the same rule), and ratios against ZeRO-3. Inside
+(qcoll's byte counters; FSDP2's are its all-gathers and reduce-scatter over the
+world, counted by the same rule at 4 bytes per element, 2 for ``fsdp2-bf16``),
+collectives per step, and ratios against ZeRO-3 and against the fastest peer. Inside
 ``qcoll-bench cluster`` also the bytes per timed step that really crossed the
 node links (veth counters, :mod:`qcoll.bench.linkmeter`; frames with headers).
+
+Peers (``--peer``): ``fsdp2`` is ``fully_shard`` on each block and the root in fp32;
+``fsdp2-bf16`` adds ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=bfloat16)``
+(bf16 all-gathers, forward, backward and reduce-scatter; fp32 sharded parameters and
+AdamW), as users run it. qcoll's ``zero3-bf16`` / ``zeropp-bf16`` are ``zero3`` / ``zeropp`` with
+``compute_dtype=torch.bfloat16``: ZeRO-3 then gathers 2-byte elements (its gradient
+reduce-scatter stays fp32), ZeRO++ quantizes and gathers bf16 (the same wire bytes as
+in fp32). The *best peer* is the fastest run of an FSDP2 peer or of qcoll's unquantized
+``zero3`` / ``zero3-bf16``: the configurations ZeRO++ is measured against.
+
+Collectives per step (``coll/step``): every collective this rank issues from the
+forward to ``zero_grad`` of the last timed step, counted at torch.distributed's
+``ProcessGroup`` methods (:mod:`qcoll.bench.collcount`), the same rule for qcoll and
+FSDP2; the benchmark's own barrier before the step and the all-reduce of the logged
+loss after it are not counted. The JSON also splits them by operation and counts
+those on groups that span nodes.
 
 JSON (``--json FILE``): ``{"command": "train", "world", "ranks_per_node", "args",
 "runs": [{"mode", "step_time_s", "tokens_per_s", "losses": [...], "first_loss",
 "final_loss", "intra_bytes_per_step", "inter_bytes_per_step", "link_bytes_per_step"
-(null outside a cluster), "speedup_vs_zero3", "inter_ratio_vs_zero3", "link_ratio_vs_zero3",
-"memory": {...}, "samples_to_target", "time_to_target_s", "steps_to_target"}]}``. ``--plot FILE.png``:
+(null outside a cluster), "collectives_per_step", "inter_collectives_per_step",
+"collectives_by_op": {op: calls}, "speedup_vs_zero3", "inter_ratio_vs_zero3", "link_ratio_vs_zero3",
+"best_peer", "speedup_vs_best_peer", "memory": {...}, "samples_to_target", "time_to_target_s",
+"steps_to_target"}]}``. ``--plot FILE.png``:
 loss curves (with ``--adaptive-batch`` also the batch and the cosine per step).
 
 ``--adaptive-batch TARGET`` trains each mode with SimiGrad's adaptive batch
@@ -33,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from . import adaptive, cli
+from .collcount import CollectiveCounter
 from .linkmeter import LinkMeter
 from .ranks import run_ranks
 
@@ -51,6 +71,10 @@ MODES = {
     "zeropp-w4-g84had": dict(weight_bits=4, hpz=True, grad_bits=(8, 4), grad_hadamard=True),
     "zeropp-w2": dict(weight_bits=2, hpz=True, grad_bits=4),
     "zeropp-w2-out2": dict(weight_bits=2, hpz=True, grad_bits=4, weight_outliers=2),
+    # bf16 compute (issue 20): the gathered parameters, forward and backward in bf16 (master weights and AdamW
+    # fp32); ZeRO-3's unquantized gathers then move 2-byte elements, qwZ/hpZ quantize and gather bf16
+    "zero3-bf16": dict(weight_bits=None, hpz=False, grad_bits=None, compute_dtype=torch.bfloat16),
+    "zeropp-bf16": dict(weight_bits=8, hpz=True, grad_bits=4, compute_dtype=torch.bfloat16),
     # small parameters replicated (issue 20). DeepSpeed's default threshold, 1e5 elements, replicates
     # every matrix of the 0.8M-parameter char transformer (a DDP-like all-reduce); 1e4 keeps the
     # LayerNorms, biases and the position table whole and shards the matrices
@@ -58,7 +82,9 @@ MODES = {
     "zero3-p10k": dict(weight_bits=None, hpz=False, grad_bits=None, persist_threshold=10_000),
     "zeropp-p10k": dict(weight_bits=8, hpz=True, grad_bits=4, persist_threshold=10_000),
 }
-PEERS = ("fsdp2",)
+# FSDP2 (fully_shard) as users run it: fp32, and with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)
+PEERS = ("fsdp2", "fsdp2-bf16")
+PEER_DTYPES = {"fsdp2": None, "fsdp2-bf16": torch.bfloat16}
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
@@ -85,7 +111,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--modes", nargs="+", default=["zero3", "zeropp"], choices=list(MODES), metavar="MODE",
                    help=f"qcoll configurations to run, of {' '.join(MODES)} (default zero3 zeropp)")
-    p.add_argument("--peer", nargs="*", default=[], choices=PEERS, help="also run PyTorch FSDP2 (fully_shard)")
+    p.add_argument("--peer", nargs="*", default=[], choices=PEERS, metavar="PEER",
+                   help="also run PyTorch FSDP2 (fully_shard): fsdp2 (fp32), fsdp2-bf16 (MixedPrecisionPolicy "
+                        "param_dtype=reduce_dtype=bf16)")
     p.add_argument("--steps", type=cli.positive_int, default=20, help="training steps per mode (default 20)")
     add_model_options(p)
     p.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
@@ -116,8 +144,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--warmup {args.warmup} must be smaller than --steps {args.steps}")
     if args.adaptive_batch is not None and not 0 < args.adaptive_batch < 1:
         parser.error(f"--adaptive-batch must be a cosine in (0, 1), got {args.adaptive_batch}")
-    if args.adaptive_batch is not None and "fsdp2" in args.peer:
-        parser.error("--adaptive-batch runs qcoll modes only; drop --peer fsdp2")
+    if args.adaptive_batch is not None and args.peer:
+        parser.error(f"--adaptive-batch runs qcoll modes only; drop --peer {' '.join(args.peer)}")
     if args.stop_at_target and args.target_loss is None:
         parser.error("--stop-at-target needs --target-loss")
     if args.target_loss is not None and args.loss_window > args.steps:
@@ -136,7 +164,8 @@ def build_model(args):
 
 def _steps(args, model, optimizer, rank, world, loss_fn=None):
     """``--steps`` timed steps of :func:`qcoll.testing.train_steps`: (losses, the slowest rank's median
-    step seconds after ``--warmup``, the last step's (intra, inter) bytes, link bytes per timed step, times)."""
+    step seconds after ``--warmup``, the last step's (intra, inter) bytes, link bytes per timed step, times,
+    the last step's collectives (total, inter-node, by op))."""
     from ..comm import stats
     from ..testing import Batches, stdlib_bytes, train_steps
 
@@ -144,6 +173,8 @@ def _steps(args, model, optimizer, rank, world, loss_fn=None):
     meter = LinkMeter.from_env() if rank == 0 else None
     times, traffic = [], []
     link_start = None
+    counter = CollectiveCounter()
+    step_start, collectives = [], []
 
     def before_step(i):
         nonlocal link_start
@@ -151,20 +182,35 @@ def _steps(args, model, optimizer, rank, world, loss_fn=None):
             link_start = meter.read()   # every rank is past step i-1's loss all-reduce or waits in the barrier
         dist.barrier()
         stats.reset()
+        step_start.append(counter.snapshot())
 
     def after_step(i, losses):
         traffic.append((stats.stats.intra_bytes, stats.stats.inter_bytes))
         # every rank holds the same losses: the same decision
         return args.stop_at_target and i > args.warmup and adaptive.reached(losses, args.target_loss, args.loss_window)
 
-    losses = train_steps(model, optimizer, batches, args.steps, rank=rank, world=world, loss_fn=loss_fn,
-                         before_step=before_step, after_step=after_step, step_seconds=times)
+    # a step's collectives: from its clock's start (after the barrier) to the end of zero_grad, where its
+    # clock stops; the all-reduce of the logged loss after it is the benchmark's, not the mode's
+    zero_grad = optimizer.zero_grad
+
+    def counted_zero_grad(*a, **kw):
+        out = zero_grad(*a, **kw)
+        collectives.append(counter.delta(counter.snapshot(), step_start[-1]))
+        return out
+
+    optimizer.zero_grad = counted_zero_grad
+    try:
+        with counter:
+            losses = train_steps(model, optimizer, batches, args.steps, rank=rank, world=world, loss_fn=loss_fn,
+                                 before_step=before_step, after_step=after_step, step_seconds=times)
+    finally:
+        del optimizer.zero_grad
     dist.barrier()
     timed = len(losses) - args.warmup
     link = (meter.read() - link_start) / timed if meter is not None and link_start is not None else None
     slowest = torch.tensor([statistics.median(times[args.warmup:])], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return losses, float(slowest), traffic[-1], link, times
+    return losses, float(slowest), traffic[-1], link, times, collectives[-1]
 
 
 def _run_qcoll(args, mode, topo):
@@ -182,28 +228,44 @@ def _run_qcoll(args, mode, topo):
 
     # after each step, before zero_grad (the gradients count)
     opt.register_step_post_hook(lambda *_: memory.update(zero.memory_report(m, opt)))
-    losses, seconds, (intra, inter), link, times = _steps(args, m, opt, topo.rank, topo.world_size, forward)
-    return losses, seconds, intra, inter, link, memory, times
+    losses, seconds, (intra, inter), link, times, colls = _steps(args, m, opt, topo.rank, topo.world_size, forward)
+    return losses, seconds, intra, inter, link, memory, times, colls
 
 
-def _run_fsdp2(args, topo):
+def _run_fsdp2(args, topo, dtype=None):
+    """FSDP2 over the world: ``fully_shard`` on each block and on the root; with ``dtype`` (bf16) a
+    ``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)``, as users configure it."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = build_model(args)
     mesh = init_device_mesh("cpu", (topo.world_size,))
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)} if dtype is not None else {}
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    losses, seconds, _, link, times = _steps(args, model, opt, topo.rank, topo.world_size)
-    # FSDP2 moves fp32 all-gathers (forward and backward) and a reduce-scatter over the world
-    # group per unit; counted by DESIGN.md's rule, with the world spanning nodes (inter-node).
+    losses, seconds, _, link, times, colls = _steps(args, model, opt, topo.rank, topo.world_size)
+    # FSDP2 moves all-gathers (forward and backward) and a reduce-scatter over the world group per unit,
+    # of 4-byte (fp32) or, with the bf16 policy, 2-byte elements; counted by DESIGN.md's rule, with the
+    # world spanning nodes (inter-node).
     W = topo.world_size
+    elem = torch.tensor([], dtype=dtype or torch.float32).element_size()
     shard_elems = sum(-(-p.numel() // W) for p in build_model(args).parameters())
-    inter = 3 * (W - 1) * 4 * shard_elems if topo.num_nodes > 1 else 0
-    intra = 0 if topo.num_nodes > 1 else 3 * (W - 1) * 4 * shard_elems
-    return losses, seconds, intra, inter, link, {}, times
+    inter = 3 * (W - 1) * elem * shard_elems if topo.num_nodes > 1 else 0
+    intra = 0 if topo.num_nodes > 1 else 3 * (W - 1) * elem * shard_elems
+    return losses, seconds, intra, inter, link, {}, times, colls
+
+
+def is_peer(mode: str) -> bool:
+    """The configurations ZeRO++ is measured against: FSDP2 (:data:`PEERS`) and qcoll's unquantized ZeRO-3."""
+    return mode in PEERS or mode in ("zero3", "zero3-bf16")
+
+
+def best_peer(runs: list[dict]) -> dict | None:
+    """The fastest (smallest ``step_time_s``) of the runs of :func:`is_peer` modes, or None."""
+    peers = [r for r in runs if is_peer(r["mode"]) and r.get("step_time_s")]
+    return min(peers, key=lambda r: r["step_time_s"]) if peers else None
 
 
 def _rank_main(args) -> None:
@@ -216,18 +278,23 @@ def _rank_main(args) -> None:
         if args.adaptive_batch is not None:
             runs.append(_adaptive_run(args, mode, topo))
             continue
-        if mode == "fsdp2":
-            losses, seconds, intra, inter, link, memory, times = _run_fsdp2(args, topo)
+        if mode in PEERS:
+            losses, seconds, intra, inter, link, memory, times, colls = _run_fsdp2(args, topo, PEER_DTYPES[mode])
         else:
-            losses, seconds, intra, inter, link, memory, times = _run_qcoll(args, mode, topo)
+            losses, seconds, intra, inter, link, memory, times, colls = _run_qcoll(args, mode, topo)
         samples, wall, steps = adaptive.to_target(losses, [args.batch] * len(losses), times, args.target_loss,
                                                   args.loss_window)
         runs.append({"mode": mode, "step_time_s": seconds, "tokens_per_s": tokens / seconds, "losses": losses,
                      "first_loss": losses[0], "final_loss": losses[-1], "intra_bytes_per_step": intra,
                      "inter_bytes_per_step": inter, "link_bytes_per_step": link, "memory": memory,
-                     "samples_to_target": samples, "time_to_target_s": wall, "steps_to_target": steps})
+                     "samples_to_target": samples, "time_to_target_s": wall, "steps_to_target": steps,
+                     "collectives_per_step": colls[0], "inter_collectives_per_step": colls[1],
+                     "collectives_by_op": colls[2]})
     base = next((r for r in runs if r["mode"] == "zero3"), None)
+    best = best_peer(runs)
     for r in runs:
+        r["best_peer"] = best["mode"] if best else None
+        r["speedup_vs_best_peer"] = best["step_time_s"] / r["step_time_s"] if best else None
         r["speedup_vs_zero3"] = base["step_time_s"] / r["step_time_s"] if base else None
         r["inter_ratio_vs_zero3"] = (r["inter_bytes_per_step"] / base["inter_bytes_per_step"]
                                      if base and base["inter_bytes_per_step"] else None)
@@ -261,6 +328,7 @@ def _adaptive_run(args, mode, topo) -> dict:
             "losses": rec["losses"], "first_loss": rec["losses"][0], "final_loss": rec["losses"][-1],
             "intra_bytes_per_step": None, "inter_bytes_per_step": rec["inter_bytes"][-1], "link_bytes_per_step": None,
             "memory": {}, "samples_to_target": samples, "time_to_target_s": wall, "steps_to_target": steps,
+            "collectives_per_step": None, "inter_collectives_per_step": None, "collectives_by_op": None,
             "cosines": rec["cosines"], "batches": rec["batches"], "lrs": rec["lrs"], "step_seconds": rec["seconds"]}
 
 
@@ -276,8 +344,12 @@ def format_adaptive(r: dict) -> str:
 def format_table(runs: list[dict]) -> str:
     metered = any(r.get("link_bytes_per_step") is not None for r in runs)
     targeted = any(r.get("steps_to_target") is not None for r in runs)
-    head = (f"{'mode':>10} {'step(ms)':>9} {'tokens/s':>9} {'loss0':>7} {'loss':>7} {'intra/step':>11} "
-            f"{'inter/step':>11} {'speedup':>8} {'inter_x':>8}")
+    peered = any(r.get("speedup_vs_best_peer") for r in runs)
+    w = max([10] + [len(r["mode"]) for r in runs])
+    head = (f"{'mode':>{w}} {'step(ms)':>9} {'tokens/s':>9} {'loss0':>7} {'loss':>7} {'intra/step':>11} "
+            f"{'inter/step':>11} {'coll/step':>9} {'speedup':>8} {'inter_x':>8}")
+    if peered:
+        head += f" {'vs_best':>8}"
     if metered:
         head += f" {'link/step':>11} {'link_x':>7}"
     if targeted:
@@ -287,9 +359,13 @@ def format_table(runs: list[dict]) -> str:
         sp = f"{r['speedup_vs_zero3']:.2f}" if r["speedup_vs_zero3"] else "-"
         ir = f"{r['inter_ratio_vs_zero3']:.3f}" if r["inter_ratio_vs_zero3"] is not None else "-"
         intra = r["intra_bytes_per_step"] if r["intra_bytes_per_step"] is not None else "-"
-        line = (f"{r['mode']:>10} {r['step_time_s'] * 1e3:>9.1f} {r['tokens_per_s']:>9.0f} "
+        colls = r.get("collectives_per_step")
+        line = (f"{r['mode']:>{w}} {r['step_time_s'] * 1e3:>9.1f} {r['tokens_per_s']:>9.0f} "
                 f"{r['first_loss']:>7.3f} {r['final_loss']:>7.3f} {intra:>11} "
-                f"{r['inter_bytes_per_step']:>11} {sp:>8} {ir:>8}")
+                f"{r['inter_bytes_per_step']:>11} {colls if colls is not None else '-':>9} {sp:>8} {ir:>8}")
+        if peered:
+            vb = r.get("speedup_vs_best_peer")
+            line += f" {f'{vb:.2f}' if vb else '-':>8}"
         if metered:
             lr = r.get("link_ratio_vs_zero3")
             line += f" {round(r['link_bytes_per_step'] or 0):>11} {f'{lr:.3f}' if lr is not None else '-':>7}"
@@ -297,6 +373,10 @@ def format_table(runs: list[dict]) -> str:
             n, sec = r.get("samples_to_target"), r.get("time_to_target_s")
             line += f" {n if n is not None else '-':>11} {f'{sec:.1f}' if sec is not None else '-':>7}"
         lines.append(line)
+    best = next((r["best_peer"] for r in runs if r.get("best_peer")), None)
+    if peered and best:
+        lines.append(f"coll/step: collectives each rank issues per timed step; vs_best: speed-up vs the fastest "
+                     f"peer ({best})")
     return "\n".join(lines)
 
 
