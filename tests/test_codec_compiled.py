@@ -160,3 +160,20 @@ def test_compiled_quantize_into_a_given_buffer():
     assert got is not None and got.data_ptr() == store[:, 4:].data_ptr()
     assert torch.equal(store[:, 4:4 + nbytes], reference.quantize_rows(x, 4, block))
     assert bool((store[:, :4] == 0xAB).all()) and bool((store[:, 4 + nbytes:] == 0xAB).all())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_compiled_quantize_without_clamp_at_absmax(bits):
+    """The 8/4-bit graph skips the reference's clamp (see ``compiled._round``): blocks whose
+    values sit at and just below their absmax, over the exponent range where 1/scale is finite, still give
+    the reference's bytes (codes of exactly +-qmax)."""
+    g = torch.Generator().manual_seed(bits)
+    nb, block = 8192, 32
+    absmax = torch.exp2(torch.empty(nb, 1).uniform_(-120, 127, generator=g)) * torch.rand(nb, 1, generator=g).add_(1)
+    absmax = absmax.clamp(max=3.4e38)
+    frac = torch.rand(nb, block, generator=g)
+    frac[:, :8] = torch.tensor([1.0, -1.0, 1 - 2**-24, -(1 - 2**-24), 1 - 2**-23, 0.5, -0.5, 0.0])
+    x = (absmax * frac).reshape(1, -1)
+    got = compiled.quantize_rows(x, bits, block)
+    want = reference.quantize_rows(x, bits, block)
+    assert got is not None and torch.equal(got, want)
