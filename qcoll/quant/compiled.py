@@ -59,12 +59,13 @@ def _round(v: torch.Tensor, inv: torch.Tensor, finite: torch.Tensor, qmaxv: floa
 
 
 def _quantize_into(xb: torch.Tensor, qmaxv: float, bits: int, codes_out: torch.Tensor):
-    """Padded fp32 ``[rows, nb, B]`` -> packed 8- or 4-bit codes written into ``codes_out`` (uint8
+    """fp32 ``[rows, nb, B]`` -> packed 8-, 4- or 2-bit codes written into ``codes_out`` (uint8
     ``[rows, nb, B*bits/8]``, a view of the packed buffer); returns the scale bits ``[rows, nb]``
     and any_tiny. One pass per block: its absmax, then its codes from the same (cached) block,
-    stored straight into the caller's buffer. For 4 bits the block is read as int64 words, each
-    the two fp32 values of one packed byte (little-endian: element 2k in the low half), so
-    every output byte depends on one input word and the loop vectorizes."""
+    stored straight into the caller's buffer. For 4 and 2 bits the block is read as int64
+    words, each two fp32 values (little-endian: element 2k in the low half): a 4-bit byte is
+    one word, so the loop vectorizes; a 2-bit byte is two words (one strided load each, still
+    2x faster than quantizing to int8 and packing in a second graph)."""
     inv, finite, bits_, tiny = _block_scales(xb, qmaxv)
     if bits == 8:
         packed = _round(xb, inv, finite, qmaxv) & 0xFF
@@ -72,14 +73,19 @@ def _quantize_into(xb: torch.Tensor, qmaxv: float, bits: int, codes_out: torch.T
         w = xb.view(torch.int64)
         lo = (w & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
         hi = (w >> 32).to(torch.int32).view(torch.float32)
-        packed = (_round(lo, inv, finite, qmaxv) & 0xF) | ((_round(hi, inv, finite, qmaxv) & 0xF) << 4)
+        if bits == 4:
+            packed = (_round(lo, inv, finite, qmaxv) & 0xF) | ((_round(hi, inv, finite, qmaxv) & 0xF) << 4)
+        else:
+            p = (_round(lo, inv, finite, qmaxv) & 0x3) | ((_round(hi, inv, finite, qmaxv) & 0x3) << 2)
+            p = p.view(p.shape[0], p.shape[1], -1, 2)
+            packed = p[..., 0] | (p[..., 1] << 4)
     codes_out.copy_(packed.to(torch.uint8))
     return bits_.squeeze(-1), tiny
 
 
 def _quantize_blocks(xb: torch.Tensor, qmaxv: float, bits: int):
-    """Padded fp32 ``[rows, nb, B]`` -> int8 codes ``[rows, nb*B]`` (6 and 2 bits, packed by
-    the "pack" graph), scale bits ``[rows, nb]``, any_tiny."""
+    """fp32 ``[rows, nb, B]`` -> int8 codes ``[rows, nb*B]`` (6 bits, packed by the "pack_into"
+    graph), scale bits ``[rows, nb]``, any_tiny."""
     inv, finite, bits_, tiny = _block_scales(xb, qmaxv)
     t = torch.round(xb * inv).clamp(-qmaxv, qmaxv)
     q = torch.where(finite, t, torch.zeros_like(t)).to(torch.int8)
@@ -87,7 +93,7 @@ def _quantize_blocks(xb: torch.Tensor, qmaxv: float, bits: int):
 
 
 def _pack_into(q: torch.Tensor, bits: int, codes_out: torch.Tensor) -> bool:
-    """6 and 2 bits: int8 codes ``[rows, m]`` packed straight into ``codes_out`` (a view of the buffer)."""
+    """6 bits: int8 codes ``[rows, m]`` packed straight into ``codes_out`` (a view of the buffer)."""
     codes_out.copy_(pack_codes(q, bits))
     return True
 
@@ -114,7 +120,7 @@ def _dequantize_pairs_into(codes3: torch.Tensor, scales: torch.Tensor, out_words
 
 # How the graphs are shaped (64 MiB fp32, 2 cores, each measured against copy_ in one run;
 # bench/RESULTS.md has the history):
-# - 8 and 4 bits quantize in one graph that writes its codes straight into the packed buffer (a
+# - 8, 4 and 2 bits quantize in one graph that writes its codes straight into the packed buffer (a
 #   view passed in and filled with copy_, which inductor turns into stores to that memory): one
 #   loop per block computes the absmax and then the codes from the block still in cache. Graphs
 #   that returned the codes for a torch.cat (or wrote both buffer sections of one input) were
@@ -122,8 +128,8 @@ def _dequantize_pairs_into(codes3: torch.Tensor, scales: torch.Tensor, out_words
 # - Packing and unpacking compute each output element from one input word (two fp32 values as
 #   an int64 for a 4-bit byte; int16/int32 words of int8 codes in bitpack), never gathering at
 #   strides of 2-4 elements, which inductor turned into scalar loops (4-8x slower).
-# - 6 and 2 bits quantize to int8 codes in one graph and pack them in another (fused, the byte
-#   shuffles were 4-8x slower than the two loops in sequence).
+# - 6 bits quantize to int8 codes in one graph and pack them in another (fused, the byte
+#   shuffles of 3-byte groups were 4-8x slower than the two loops in sequence).
 # - The block size is a static dimension (``mark_static``): with a symbolic one inductor
 #   computed every element's block with a division and ran 20x slower.
 @functools.lru_cache(maxsize=None)
@@ -180,7 +186,7 @@ def quantize_rows(x: torch.Tensor, bits: int, block_size: int, buf: torch.Tensor
     codes, scale_bytes = buf[:, :cb], buf[:, cb:]
     if full:
         xb = x[:, : full * block_size].view(rows, full, block_size)
-        if bits == 4 and _words(xb, torch.int64) is None:  # an odd row length or offset: a copy
+        if bits in (4, 2) and _words(xb, torch.int64) is None:  # an odd row length or offset: a copy
             xb = xb.contiguous()
         sbits = quantize_full_blocks(xb, bits, codes[:, : full * bb])
         if sbits is None:
@@ -200,7 +206,7 @@ def quantize_full_blocks(xb: torch.Tensor, bits: int, codes_out: torch.Tensor) -
     rows, nb, block = xb.shape
     qmaxv = float(fmt.qmax(bits))
     torch._dynamo.mark_static(xb, 2)  # the block size: see above
-    if bits in (8, 4):
+    if bits in (8, 4, 2):
         out3 = codes_out.view(rows, nb, block * bits // 8)
         torch._dynamo.mark_static(out3, 2)
         out = _call("quantize_into", xb, qmaxv, bits, out3)
