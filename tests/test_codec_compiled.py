@@ -162,9 +162,9 @@ def test_compiled_quantize_into_a_given_buffer():
     assert bool((store[:, :4] == 0xAB).all()) and bool((store[:, 4 + nbytes:] == 0xAB).all())
 
 
-@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("bits", [8, 6, 4, 2])
 def test_compiled_quantize_without_clamp_at_absmax(bits):
-    """The 8/4/2-bit graph skips the reference's clamp (see ``compiled._round``): blocks whose
+    """The quantize graphs skip the reference's clamp (see ``compiled._round``): blocks whose
     values sit at and just below their absmax, over the exponent range where 1/scale is finite, still give
     the reference's bytes (codes of exactly +-qmax)."""
     g = torch.Generator().manual_seed(bits)

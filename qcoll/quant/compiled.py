@@ -87,8 +87,7 @@ def _quantize_blocks(xb: torch.Tensor, qmaxv: float, bits: int):
     """fp32 ``[rows, nb, B]`` -> int8 codes ``[rows, nb*B]`` (6 bits, packed by the "pack_into"
     graph), scale bits ``[rows, nb]``, any_tiny."""
     inv, finite, bits_, tiny = _block_scales(xb, qmaxv)
-    t = torch.round(xb * inv).clamp(-qmaxv, qmaxv)
-    q = torch.where(finite, t, torch.zeros_like(t)).to(torch.int8)
+    q = _round(xb, inv, finite, qmaxv).to(torch.int8)
     return q.reshape(xb.shape[0], -1), bits_.squeeze(-1), tiny
 
 
