@@ -84,15 +84,15 @@ def _quantize_into(xb: torch.Tensor, qmaxv: float, bits: int, codes_out: torch.T
 
 
 def _quantize_blocks(xb: torch.Tensor, qmaxv: float, bits: int):
-    """fp32 ``[rows, nb, B]`` -> int8 codes ``[rows, nb*B]`` (6 bits, packed by the "pack_into"
-    graph), scale bits ``[rows, nb]``, any_tiny."""
+    """fp32 ``[rows, nb, B]`` -> int8 codes ``[rows, nb*B]`` (6 bits, and 2 bits in blocks of 32,
+    packed by the "pack_into" graph), scale bits ``[rows, nb]``, any_tiny."""
     inv, finite, bits_, tiny = _block_scales(xb, qmaxv)
     q = _round(xb, inv, finite, qmaxv).to(torch.int8)
     return q.reshape(xb.shape[0], -1), bits_.squeeze(-1), tiny
 
 
 def _pack_into(q: torch.Tensor, bits: int, codes_out: torch.Tensor) -> bool:
-    """6 bits: int8 codes ``[rows, m]`` packed straight into ``codes_out`` (a view of the buffer)."""
+    """6 bits (2 bits in blocks of 32): int8 codes ``[rows, m]`` packed straight into ``codes_out``."""
     codes_out.copy_(pack_codes(q, bits))
     return True
 
@@ -127,8 +127,9 @@ def _dequantize_pairs_into(codes3: torch.Tensor, scales: torch.Tensor, out_words
 # - Packing and unpacking compute each output element from one input word (two fp32 values as
 #   an int64 for a 4-bit byte; int16/int32 words of int8 codes in bitpack), never gathering at
 #   strides of 2-4 elements, which inductor turned into scalar loops (4-8x slower).
-# - 6 bits quantize to int8 codes in one graph and pack them in another (fused, the byte
-#   shuffles of 3-byte groups were 4-8x slower than the two loops in sequence).
+# - 6 bits (and 2 bits in blocks of 32) quantize to int8 codes in one graph and pack them in
+#   another. A one-pass 6-bit graph (int64 pairs -> three int32 words per 16 codes) was 1.5x
+#   faster at blocks of 256-512 but 2.5-10x slower at 32-128; one-pass 2 bits, 2.5x slower at 32.
 # - The block size is a static dimension (``mark_static``): with a symbolic one inductor
 #   computed every element's block with a division and ran 20x slower.
 @functools.lru_cache(maxsize=None)
@@ -205,7 +206,7 @@ def quantize_full_blocks(xb: torch.Tensor, bits: int, codes_out: torch.Tensor) -
     rows, nb, block = xb.shape
     qmaxv = float(fmt.qmax(bits))
     torch._dynamo.mark_static(xb, 2)  # the block size: see above
-    if bits in (8, 4, 2):
+    if bits in (8, 4) or (bits == 2 and block >= 64):  # (2 bits, block 32: 8 bytes a block, 2.5x slower)
         out3 = codes_out.view(rows, nb, block * bits // 8)
         torch._dynamo.mark_static(out3, 2)
         out = _call("quantize_into", xb, qmaxv, bits, out3)
