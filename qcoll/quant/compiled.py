@@ -97,22 +97,16 @@ def _pack_into(q: torch.Tensor, bits: int, codes_out: torch.Tensor) -> bool:
     return True
 
 
-def _dequantize_pairs_into(codes3: torch.Tensor, scales: torch.Tensor, out_words: torch.Tensor,
-                           dtype: torch.dtype) -> bool:
+def _dequantize_pairs_into(codes3: torch.Tensor, scales: torch.Tensor, out_words: torch.Tensor) -> bool:
     """4-bit codes uint8 ``[rows, nb, B/2]`` x fp32 scales ``[rows, nb]`` -> ``out_words``, the
-    ``dtype`` output viewed as words of two values (int64 for fp32, int32 for bf16/fp16): byte
-    k's two codes become word k, the low nibble in the low half. Each output word depends on one
-    byte, so the loop vectorizes; the values are the reference's (``q * scale`` saturated to the
-    fp32 range, then cast to ``dtype``)."""
+    fp32 output viewed as int64 words of two values: byte k's two codes become word k, the low
+    nibble in the low half. Each output word depends on one byte, so the loop vectorizes; the
+    values are the reference's (``q * scale`` saturated to the fp32 range)."""
     b = codes3.to(torch.int32)
     s = scales.unsqueeze(-1)
     lo = ((((b & 0xF) ^ 8) - 8).to(torch.float32) * s).clamp(-fmt.FLT_MAX, fmt.FLT_MAX)
     hi = ((((b >> 4) ^ 8) - 8).to(torch.float32) * s).clamp(-fmt.FLT_MAX, fmt.FLT_MAX)
-    if dtype == torch.float32:
-        word = (lo.view(torch.int32).to(torch.int64) & 0xFFFFFFFF) | (hi.view(torch.int32).to(torch.int64) << 32)
-    else:
-        word = (lo.to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF) \
-            | (hi.to(dtype).view(torch.int16).to(torch.int32) << 16)
+    word = (lo.view(torch.int32).to(torch.int64) & 0xFFFFFFFF) | (hi.view(torch.int32).to(torch.int64) << 32)
     out_words.copy_(word)
     return True
 
@@ -241,19 +235,21 @@ def dequantize_into(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_
 
 
 def _dequantize_pairs(codes: torch.Tensor, scales: torch.Tensor, block_size: int, out: torch.Tensor) -> bool:
-    """4 bits: the whole blocks decoded byte -> word of two values straight into ``out`` (see
-    :func:`_dequantize_pairs_into`), a partial last block through the reference. False (nothing
-    written) where ``out`` cannot be viewed as words, or on a compiler failure."""
+    """4 bits into fp32: the whole blocks decoded byte -> word of two values straight into ``out``
+    (see :func:`_dequantize_pairs_into`), a partial last block through the reference. False
+    (nothing written) for other dtypes (the same graph into bf16 words ran at half the speed of
+    unpack + scale), where ``out`` cannot be viewed as words, or on a compiler failure."""
     rows, n = out.shape
     full = n // block_size
-    words = _words(out[:, : full * block_size].view(rows, full, block_size),
-                   torch.int64 if out.dtype == torch.float32 else torch.int32) if full else None
+    if out.dtype != torch.float32 or not full:
+        return False
+    words = _words(out[:, : full * block_size].view(rows, full, block_size), torch.int64)
     if words is None:
         return False
     codes3 = codes[:, : full * block_size // 2].view(rows, full, block_size // 2)
     for t in (codes3, words):
         torch._dynamo.mark_static(t, 2)  # the block size: see above
-    if _call("dequantize_pairs", codes3, scales[:, :full], words, out.dtype) is None:
+    if _call("dequantize_pairs", codes3, scales[:, :full], words) is None:
         return False
     if n > full * block_size:
         q = unpack_codes(codes[:, full * block_size // 2:], 4)
