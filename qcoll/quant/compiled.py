@@ -36,7 +36,7 @@ def enabled(device: torch.device, numel: int) -> bool:
 
 def _block_scales(xb: torch.Tensor, qmaxv: float):
     """Per block of fp32 ``[rows, nb, B]``: 1/scale, finiteness, the scale's wire bits (int32,
-    NaN bits for a non-finite block) and whether any finite block has an infinite 1/scale (the
+    NaN bits for a non-finite block) and whether it is finite with an infinite 1/scale (the
     subnormal range, which only the reference handles). The reference's fp32 operations."""
     absmax = xb.abs().amax(dim=-1, keepdim=True)
     qm = torch.full_like(absmax, qmaxv)
@@ -44,7 +44,7 @@ def _block_scales(xb: torch.Tensor, qmaxv: float):
     inv = torch.where(absmax == 0, torch.zeros_like(absmax), qm / absmax)
     finite = torch.isfinite(absmax)
     bits_ = torch.where(finite, scale.view(torch.int32), torch.full_like(scale.view(torch.int32), fmt.NAN_SCALE_BITS))
-    tiny = (torch.isinf(inv) & finite).any()
+    tiny = torch.isinf(inv) & finite  # per block (an any() here was a second parallel loop)
     return inv, finite, bits_, tiny
 
 
@@ -61,11 +61,11 @@ def _round(v: torch.Tensor, inv: torch.Tensor, finite: torch.Tensor, qmaxv: floa
 def _quantize_into(xb: torch.Tensor, qmaxv: float, bits: int, codes_out: torch.Tensor):
     """fp32 ``[rows, nb, B]`` -> packed 8-, 4- or 2-bit codes written into ``codes_out`` (uint8
     ``[rows, nb, B*bits/8]``, a view of the packed buffer); returns the scale bits ``[rows, nb]``
-    and any_tiny. One pass per block: its absmax, then its codes from the same (cached) block,
-    stored straight into the caller's buffer. For 4 and 2 bits the block is read as int64
-    words, each two fp32 values (little-endian: element 2k in the low half): a 4-bit byte is
-    one word, so the loop vectorizes; a 2-bit byte is two words (one strided load each, still
-    2x faster than quantizing to int8 and packing in a second graph)."""
+    and the blocks' tiny flags. One pass per block: its absmax, then its codes from the same
+    (cached) block, stored straight into the caller's buffer. For 4 and 2 bits the block is
+    read as int64 words, each two fp32 values (little-endian: element 2k in the low half): a
+    4-bit byte is one word, so the loop vectorizes; a 2-bit byte is two words (one strided load
+    each, still 2x faster than quantizing to int8 and packing in a second graph)."""
     inv, finite, bits_, tiny = _block_scales(xb, qmaxv)
     if bits == 8:
         packed = _round(xb, inv, finite, qmaxv) & 0xFF
@@ -85,7 +85,7 @@ def _quantize_into(xb: torch.Tensor, qmaxv: float, bits: int, codes_out: torch.T
 
 def _quantize_blocks(xb: torch.Tensor, qmaxv: float, bits: int):
     """fp32 ``[rows, nb, B]`` -> int8 codes ``[rows, nb*B]`` (6 bits, and 2 bits in blocks of 32,
-    packed by the "pack_into" graph), scale bits ``[rows, nb]``, any_tiny."""
+    packed by the "pack_into" graph), scale bits ``[rows, nb]``, tiny flags."""
     inv, finite, bits_, tiny = _block_scales(xb, qmaxv)
     q = _round(xb, inv, finite, qmaxv).to(torch.int8)
     return q.reshape(xb.shape[0], -1), bits_.squeeze(-1), tiny
@@ -204,9 +204,9 @@ def quantize_full_blocks(xb: torch.Tensor, bits: int, codes_out: torch.Tensor) -
         out3 = codes_out.view(rows, nb, block * bits // 8)
         torch._dynamo.mark_static(out3, 2)
         out = _call("quantize_into", xb, qmaxv, bits, out3)
-        return None if out is None or bool(out[1]) else out[0]
+        return None if out is None or bool(out[1].any()) else out[0]
     out = _call("quantize", xb, qmaxv, bits)
-    if out is None or bool(out[2]) or _call("pack_into", out[0], bits, codes_out) is None:
+    if out is None or bool(out[2].any()) or _call("pack_into", out[0], bits, codes_out) is None:
         return None
     return out[1]
 
