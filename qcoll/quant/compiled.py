@@ -65,7 +65,7 @@ def _quantize_into(xb: torch.Tensor, qmaxv: float, bits: int, codes_out: torch.T
     (cached) block, stored straight into the caller's buffer. For 4 and 2 bits the block is
     read as int64 words, each two fp32 values (little-endian: element 2k in the low half): a
     4-bit byte is one word, so the loop vectorizes; a 2-bit byte is two words (one strided load
-    each, still 2x faster than quantizing to int8 and packing in a second graph)."""
+    each; used for blocks of 64 and 128, see the notes above :func:`_compiled`)."""
     inv, finite, bits_, tiny = _block_scales(xb, qmaxv)
     if bits == 8:
         packed = _round(xb, inv, finite, qmaxv) & 0xFF
@@ -84,15 +84,15 @@ def _quantize_into(xb: torch.Tensor, qmaxv: float, bits: int, codes_out: torch.T
 
 
 def _quantize_blocks(xb: torch.Tensor, qmaxv: float, bits: int):
-    """fp32 ``[rows, nb, B]`` -> int8 codes ``[rows, nb*B]`` (6 bits, and 2 bits in blocks of 32,
-    packed by the "pack_into" graph), scale bits ``[rows, nb]``, tiny flags."""
+    """fp32 ``[rows, nb, B]`` -> int8 codes ``[rows, nb*B]`` (6 bits, and 2 bits in blocks other
+    than 64 and 128, packed by the "pack_into" graph), scale bits ``[rows, nb]``, tiny flags."""
     inv, finite, bits_, tiny = _block_scales(xb, qmaxv)
     q = _round(xb, inv, finite, qmaxv).to(torch.int8)
     return q.reshape(xb.shape[0], -1), bits_.squeeze(-1), tiny
 
 
 def _pack_into(q: torch.Tensor, bits: int, codes_out: torch.Tensor) -> bool:
-    """6 bits (2 bits in blocks of 32): int8 codes ``[rows, m]`` packed straight into ``codes_out``."""
+    """6 bits (2 bits outside blocks of 64/128): int8 codes ``[rows, m]`` packed straight into ``codes_out``."""
     codes_out.copy_(pack_codes(q, bits))
     return True
 
@@ -121,9 +121,12 @@ def _dequantize_pairs_into(codes3: torch.Tensor, scales: torch.Tensor, out_words
 # - Packing and unpacking compute each output element from one input word (two fp32 values as
 #   an int64 for a 4-bit byte; int16/int32 words of int8 codes in bitpack), never gathering at
 #   strides of 2-4 elements, which inductor turned into scalar loops (4-8x slower).
-# - 6 bits (and 2 bits in blocks of 32) quantize to int8 codes in one graph and pack them in
-#   another. A one-pass 6-bit graph (int64 pairs -> three int32 words per 16 codes) was 1.5x
-#   faster at blocks of 256-512 but 2.5-10x slower at 32-128; one-pass 2 bits, 2.5x slower at 32.
+# - 6 bits (and 2 bits outside blocks of 64/128) quantize to int8 codes in one graph and pack
+#   them in another. A one-pass 6-bit graph (int64 pairs -> three int32 words per 16 codes) was 1.5x
+#   faster at blocks of 256-512 but 2.5-10x slower at 32-128 (in cache, one thread). One-pass
+#   2 bits: 2x faster in cache at blocks of 64-1024 but 2.5x slower at 32; at 64 MiB on 2
+#   threads 0.79x of copy_ against 0.64x at block 128, but no gain at 256 and a loss at 512
+#   (0.62x against 0.70x), so only blocks of 64 and 128 take it.
 # - The block size is a static dimension (``mark_static``): with a symbolic one inductor
 #   computed every element's block with a division and ran 20x slower.
 @functools.lru_cache(maxsize=None)
@@ -200,7 +203,7 @@ def quantize_full_blocks(xb: torch.Tensor, bits: int, codes_out: torch.Tensor) -
     rows, nb, block = xb.shape
     qmaxv = float(fmt.qmax(bits))
     torch._dynamo.mark_static(xb, 2)  # the block size: see above
-    if bits in (8, 4) or (bits == 2 and block >= 64):  # (2 bits, block 32: 8 bytes a block, 2.5x slower)
+    if bits in (8, 4) or (bits == 2 and block in (64, 128)):  # 2 bits: see the notes above _compiled
         out3 = codes_out.view(rows, nb, block * bits // 8)
         torch._dynamo.mark_static(out3, 2)
         out = _call("quantize_into", xb, qmaxv, bits, out3)
