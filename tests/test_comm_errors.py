@@ -478,3 +478,16 @@ def test_a_rank_rotating_alone_makes_every_rank_raise(ranks4):
         assert in_step
     msg = outcomes[2][1]  # rank 3's node peer names the flag
     assert "rotated=True (rank 2 has False)" in msg and "hadamard" in msg, msg
+
+
+def _topologies_share_groups(rank, world):
+    a, b, c = qcoll.Topology(2), qcoll.Topology(2), qcoll.Topology(4)
+    return (a.intra_group is b.intra_group and a.inter_group is b.inter_group,
+            c.intra_group is not a.intra_group)
+
+
+def test_topologies_of_one_layout_reuse_their_process_groups(ranks4):
+    """A process group costs threads (gloo: three each); building the same layout again must not
+    add groups (the test suite builds hundreds of topologies in one process)."""
+    for same, other in ranks4.run(_topologies_share_groups, timeout=60):
+        assert same and other

@@ -54,13 +54,8 @@ class Topology:
         self.num_nodes = self.world_size // ranks_per_node
         self.node = self.rank // ranks_per_node
         self.local_rank = self.rank % ranks_per_node
-        timeout = _default_timeout()
-        L, N = self.ranks_per_node, self.num_nodes
-        intra = [list(range(n * L, (n + 1) * L)) for n in range(N)]
-        inter = [list(range(l, self.world_size, L)) for l in range(L)]
-        self.intra_group, _ = dist.new_subgroups_by_enumeration(intra, timeout=timeout)
-        self.inter_group, _ = dist.new_subgroups_by_enumeration(inter, timeout=timeout)
         self.world_group = dist.group.WORLD
+        self.intra_group, self.inter_group = _node_groups(self.world_size, ranks_per_node)
         global _current
         _current = self
 
@@ -87,6 +82,26 @@ class Topology:
     def __repr__(self) -> str:
         return (f"Topology(world={self.world_size}, nodes={self.num_nodes}, ranks_per_node={self.ranks_per_node}, "
                 f"rank={self.rank}, node={self.node}, local_rank={self.local_rank})")
+
+
+#: (the world group, ranks per node) -> (intra-node group, inter-node group) of this rank. Every
+#: rank builds the same topologies in the same order, so all of them reuse the same groups; a
+#: process group costs threads of its own (gloo: three), so a new one per Topology would pile up.
+_groups: dict = {}
+
+
+def _node_groups(world: int, L: int):
+    key = (id(dist.group.WORLD), L)
+    cached = _groups.get(key)
+    if cached is not None and all(group_is_live(g) for g in cached):
+        return cached
+    timeout = _default_timeout()
+    intra = [list(range(n * L, (n + 1) * L)) for n in range(world // L)]
+    inter = [list(range(l, world, L)) for l in range(L)]
+    groups = (dist.new_subgroups_by_enumeration(intra, timeout=timeout)[0],
+              dist.new_subgroups_by_enumeration(inter, timeout=timeout)[0])
+    _groups[key] = groups
+    return groups
 
 
 def current_topology() -> "Topology | None":
