@@ -48,35 +48,20 @@ import torch.distributed as dist
 import qcoll
 from qcoll import zero
 from qcoll.bench.ranks import run_ranks
-from qcoll.testing import Batches, CharTransformer, TransformerConfig, stdlib_bytes, train_steps
+from qcoll.testing import (Batches, CharTransformer, TransformerConfig, byte_llama, causal_lm_loss, stdlib_bytes,
+                           train_steps)
 
 MB = 1 << 20
 CHAR = TransformerConfig(context=64, d_model=128, n_layers=4, n_heads=4)
 
 
-def _llama_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=CHAR.context + 1,
-                       attn_implementation="sdpa")
-
-
 def _build(name: str, seed: int):
     """(module, units, loss_fn(module, x, y))."""
-    torch.manual_seed(seed)
     if name == "char":
+        torch.manual_seed(seed)
         model = CharTransformer(CHAR)
         return model, model.units(), lambda m, x, y: m(x, y)
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM(_llama_config())
-
-    def loss(m, x, y):  # the window of CHAR.context + 1 bytes; HF shifts the labels itself
-        ids = torch.cat([x, y[:, -1:]], dim=1)
-        return m(input_ids=ids, labels=ids).loss
-
-    return model, None, loss
+    return byte_llama(CHAR.context, seed), None, causal_lm_loss
 
 
 def _cfg(weight_bits, grad_bits=4, sr=False, block=256) -> zero.ZeroConfig:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import qcoll
 from qcoll.bench.ranks import run_ranks
 from qcoll.comm import stats
-from qcoll.testing import Batches, CharTransformer, TransformerConfig, stdlib_bytes
+from qcoll.testing import Batches, CharTransformer, TransformerConfig, byte_llama, causal_lm_loss, stdlib_bytes
 
 CHAR = TransformerConfig(context=64, d_model=128, n_layers=4, n_heads=4)
 GRAD_VARIANTS = {   # name -> reduce_scatter_quantized keyword arguments
@@ -49,21 +49,11 @@ WEIGHT_VARIANTS = {"2-bit": dict(bits=2), "2-bit outliers=1": dict(bits=2, outli
 
 
 def _build(name: str, seed: int):
-    torch.manual_seed(seed)
     if name == "char":
+        torch.manual_seed(seed)
         model = CharTransformer(CHAR)
         return model, lambda m, x, y: m(x, y)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
-                                         num_attention_heads=4, num_key_value_heads=4,
-                                         max_position_embeddings=CHAR.context + 1, attn_implementation="sdpa"))
-
-    def loss(m, x, y):
-        ids = torch.cat([x, y[:, -1:]], dim=1)
-        return m(input_ids=ids, labels=ids).loss
-
-    return model, loss
+    return byte_llama(CHAR.context, seed), causal_lm_loss
 
 
 def _local_grad(model, loss_fn, x, y) -> torch.Tensor:

@@ -9,9 +9,9 @@
   single-process oracle.
 """
 from .data import BatchList, Batches, corpus, stdlib_bytes
-from .models import TINY, CharTransformer, TransformerConfig, char_transformer, tiny_model
+from .models import TINY, CharTransformer, TransformerConfig, byte_llama, causal_lm_loss, char_transformer, tiny_model
 from .parity import Parity, check_parity
 from .training import global_loss, train_steps
 
-__all__ = ["BatchList", "Batches", "CharTransformer", "Parity", "TINY", "TransformerConfig", "char_transformer",
+__all__ = ["BatchList", "Batches", "CharTransformer", "byte_llama", "causal_lm_loss", "Parity", "TINY", "TransformerConfig", "char_transformer",
            "check_parity", "corpus", "global_loss", "stdlib_bytes", "tiny_model", "train_steps"]

@@ -95,3 +95,21 @@ def char_transformer(cfg: TransformerConfig = TransformerConfig(), seed: int = 0
 def tiny_model(seed: int = 0, cfg: TransformerConfig = TINY) -> CharTransformer:
     """:func:`char_transformer` at the tests' size :data:`TINY` (or ``cfg``), seed first."""
     return char_transformer(cfg, seed)
+
+
+def byte_llama(context: int, seed: int = 0) -> nn.Module:
+    """A Llama decoder from ``transformers.LlamaConfig`` on bytes (vocabulary 256, 4 layers, hidden
+    128, 4 heads, intermediate 344), about the char transformer's size; needs ``transformers``
+    (the test extra). No downloads: built from the config with ``seed``'s initial values."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=4,
+                                        max_position_embeddings=context + 1, attn_implementation="sdpa"))
+
+
+def causal_lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face causal LM's loss on the window ``x`` plus the last target (it shifts the labels itself)."""
+    ids = torch.cat([x, y[:, -1:]], dim=1)
+    return model(input_ids=ids, labels=ids).loss
