@@ -317,19 +317,25 @@ class FlatGroup:
     def shard_from_compact(self, compact_local: torch.Tensor, out: torch.Tensor) -> None:
         """Inverse of :meth:`compact_shard`: write this rank's ``[S]`` slice of this layout into
         ``out`` from every rank's ``compact_local`` (collective when padded)."""
-        r, S, C = self.topology.rank, self.shard_numel, self.compact_shard_numel
+        r, S = self.topology.rank, self.shard_numel
         with torch.no_grad():
             out.zero_()
             if not self.padded:
                 out[: self.local_numel].copy_(compact_local)
                 return
-            mine = torch.zeros(C, dtype=torch.float32, device=out.device)
-            mine[: self.local_numel].copy_(compact_local)
-            every = torch.empty(self.topology.world_size * C, dtype=torch.float32, device=out.device)
-            all_gather_quantized(every, mine, bits=None)
             full = torch.zeros(self.topology.world_size * S, dtype=torch.float32, device=out.device)
-            full[self._compact_index(out.device)] = every[: self.total]
+            full[self._compact_index(out.device)] = self.gather_compact(compact_local)
             out.copy_(full[r * S:(r + 1) * S])
+
+    def gather_compact(self, compact_local: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``compact_local`` gathered: the group's ``total`` values in the compact
+        layout (fp32, unquantized; collective)."""
+        C = self.compact_shard_numel
+        mine = torch.zeros(C, dtype=torch.float32, device=compact_local.device)
+        mine[: self.local_numel].copy_(compact_local)
+        every = torch.empty(self.topology.world_size * C, dtype=torch.float32, device=compact_local.device)
+        all_gather_quantized(every, mine, bits=None)
+        return every[: self.total]
 
 
 def _round_up(n: int, align: int) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import all_gather_quantized
 from ..comm.stats import stats
 from .flat import FlatGroup
 from .group_state import GatherState, GradState, assert_in
@@ -109,10 +108,5 @@ class ReplicatedGroup(FlatGroup):
 
     def shard_from_compact(self, compact_local: torch.Tensor, out: torch.Tensor) -> None:
         """The whole group into ``out`` from every rank's compact slice (collective)."""
-        W, C = self.topology.world_size, self.compact_shard_numel
         with torch.no_grad():
-            mine = torch.zeros(C, dtype=torch.float32, device=out.device)
-            mine[: self.local_numel].copy_(compact_local)
-            every = torch.empty(W * C, dtype=torch.float32, device=out.device)
-            all_gather_quantized(every, mine, bits=None)
-            out.copy_(every[: self.total])
+            out.copy_(self.gather_compact(compact_local))
