@@ -465,10 +465,11 @@ def test_train_collectives_per_step_follow_each_schedule(train_peers):
     """Collectives per step against what each schedule issues. FSDP2, fully_shard on each of the B blocks and
     the root: forward all-gathers B + 1, backward B (the root keeps its parameters after the forward, torch's
     documented default), reduce-scatters B + 1. qcoll, G parameter groups (CharTransformer.units(): the
-    embedding, the blocks, the final norm, and the root's own positional table): ZeRO-3 per group a forward and a
-    backward all-gather and a reduce-scatter; ZeRO++ (hpZ, two-hop qgZ) a forward gather over the world, a
-    backward gather in the node and two all-to-alls (in the node, then across nodes); both one all-reduce of the
-    optimizer's non-finite check."""
+    embedding, the blocks, the final norm, and the root's own positional table): a gather runs node by node, an
+    all-gather across nodes (among ranks of equal local index) then one inside the node; ZeRO-3 per group a
+    forward and a backward gather and a reduce-scatter over the world; ZeRO++ (hpZ, two-hop qgZ) a forward
+    gather, a backward gather in the node and two all-to-alls (in the node, then across nodes); both one
+    all-reduce of the optimizer's non-finite check."""
     B = TRAIN_LAYERS
     G = 1 + B + 1 + 1
     runs = train_peers["runs"]
@@ -476,11 +477,29 @@ def test_train_collectives_per_step_follow_each_schedule(train_peers):
         assert runs[peer]["collectives_by_op"] == {"all_gather_single": 2 * B + 1, "reduce_scatter_single": B + 1}
         assert runs[peer]["collectives_per_step"] == runs[peer]["inter_collectives_per_step"] == 3 * B + 2
     z3 = runs["zero3"]
-    assert z3["collectives_by_op"] == {"all_gather_single": 2 * G, "reduce_scatter_single": G, "allreduce": 1}
-    assert z3["collectives_per_step"] == z3["inter_collectives_per_step"] == 3 * G + 1
+    assert z3["collectives_by_op"] == {"all_gather_single": 4 * G, "reduce_scatter_single": G, "allreduce": 1}
+    assert (z3["collectives_per_step"], z3["inter_collectives_per_step"]) == (5 * G + 1, 3 * G + 1)
     zpp = runs["zeropp-bf16"]
-    assert zpp["collectives_by_op"] == {"all_gather_single": 2 * G, "all_to_all_single": 2 * G, "allreduce": 1}
-    assert (zpp["collectives_per_step"], zpp["inter_collectives_per_step"]) == (4 * G + 1, 2 * G + 1)
+    assert zpp["collectives_by_op"] == {"all_gather_single": 3 * G, "all_to_all_single": 2 * G, "allreduce": 1}
+    assert (zpp["collectives_per_step"], zpp["inter_collectives_per_step"]) == (5 * G + 1, 2 * G + 1)
+
+
+@slow
+def test_train_says_where_the_time_goes(train_peers):
+    """Per run: forward, backward and optimizer seconds that add up to about the step, and the seconds qcoll's
+    collectives waited for the transport, per operation (none seen for FSDP2); printed under the table."""
+    runs, out = train_peers["runs"], train_peers["stdout"]
+    known = {"all_gather (across nodes)", "all_gather (inside the node)", "all_gather", "replica_gather",
+             "reduce_scatter", "reduce_scatter (intra-node hop)", "reduce_scatter (inter-node hop)"}
+    for mode, r in runs.items():
+        p = r["where_time_goes"]
+        phases = p["forward_s"] + p["backward_s"] + p["optimizer_s"]
+        assert 0.5 * r["step_time_s"] <= phases <= 1.5 * r["step_time_s"], (mode, phases, r["step_time_s"])
+        assert set(p["blocked_s"]) <= known and all(0 <= s <= phases for s in p["blocked_s"].values())
+        assert (p["blocked_s"] == {}) == mode.startswith("fsdp2"), (mode, p["blocked_s"])
+        assert f"  {mode}: forward " in out
+    assert {"all_gather (across nodes)", "all_gather (inside the node)", "reduce_scatter"} <= set(
+        runs["zero3"]["where_time_goes"]["blocked_s"])
 
 
 @slow

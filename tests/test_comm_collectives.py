@@ -73,6 +73,56 @@ def test_all_gather_int8_is_bits8_and_async(ranks4):
     ranks4.run(_int8_alias)
 
 
+def _node_by_node(rank, world, L, bits, outliers, dtype):
+    """The gather with ``topology=`` against the flat gather (bit for bit: output and rows),
+    the bytes each stage hands to the node links, async with ``advance()``, and a kept hpZ
+    secondary that rebuilds the same output."""
+    topo = qcoll.Topology(L)
+    n = 700
+    mine = shard_of(rank, n, dtype=dtype)
+    flat, staged = torch.empty(world * n, dtype=dtype), torch.empty(world * n, dtype=dtype)
+    a = qcoll.all_gather_quantized(flat, mine, bits=bits, block_size=128, outliers=outliers)
+    stats.reset()
+    handle = qcoll.all_gather_quantized(staged, mine, bits=bits, block_size=128, outliers=outliers, topology=topo,
+                                        async_op=True)
+    handle.advance()
+    handle.advance()  # idempotent: the stage inside the node is launched once
+    b = handle.wait()
+    assert torch.equal(flat, staged) and torch.equal(a.rows, b.rows) and b.output is staged
+    if bits is None:
+        assert torch.equal(staged, torch.cat([shard_of(r, n, dtype=dtype) for r in range(world)]))
+    N = world // L
+    frame = a.rows[0].numel() * a.rows.element_size()
+    if N > 1 and L > 1:   # each buffer crosses once per other node, then N of them inside the node
+        assert (stats.stats.inter_bytes, stats.stats.intra_bytes) == ((N - 1) * frame, (L - 1) * N * frame)
+    else:                 # one stage: the flat gather
+        assert (stats.stats.inter_bytes if N > 1 else stats.stats.intra_bytes) == (world - 1) * frame
+    secondary = qcoll.SecondaryShard.keep(b, topo)
+    again = torch.empty_like(staged)
+    qcoll.replica_gather(again, secondary)
+    assert torch.equal(again, staged)
+
+
+@pytest.mark.parametrize("L,bits,outliers,dtype", [(2, 8, 0, torch.float32), (2, 4, 2, torch.float32),
+                                                   (2, None, 0, torch.float32), (2, 8, 0, torch.bfloat16),
+                                                   (1, 8, 0, torch.float32), (4, 8, 0, torch.float32)])
+def test_node_by_node_gather_is_the_flat_gather_with_fewer_link_bytes(ranks4, L, bits, outliers, dtype):
+    ranks4.run(_node_by_node, L, bits, outliers, dtype)
+
+
+def _node_by_node_bad_args(rank, world):
+    topo = qcoll.Topology(2)
+    out, mine = torch.empty(world * 10), torch.ones(10)
+    with pytest.raises(ValueError, match="either group= or topology="):
+        qcoll.all_gather_quantized(out, mine, group=topo.intra_group, topology=topo)
+    with pytest.raises(TypeError, match="topology must be a qcoll Topology"):
+        qcoll.all_gather_quantized(out, mine, topology="node")
+
+
+def test_node_by_node_gather_rejects_a_group_and_a_non_topology(ranks4):
+    ranks4.run(_node_by_node_bad_args)
+
+
 # ---------------------------------------------------------------- hpZ
 def _replica(rank, world, L, bits):
     topo = qcoll.Topology(L)
@@ -154,9 +204,13 @@ def _qgz_chunked(rank, world, stochastic):
         out = torch.empty(1000)
         h = qcoll.reduce_scatter_quantized(out, x, bits=4, block_size=32, topology=topo, num_chunks=chunks,
                                            stochastic=stochastic, seed=7, async_op=True)
+        if chunks == 3:  # hop 2 launched by advance() (the ZeRO layer's way) before wait()
+            h.advance()
         h.wait()
         outs.append(out)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    sync = torch.empty(1000)
+    qcoll.reduce_scatter_quantized(sync, x, bits=4, block_size=32, topology=topo, stochastic=stochastic, seed=7)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]) and torch.equal(outs[0], sync)
 
 
 @pytest.mark.parametrize("stochastic", [False, True])

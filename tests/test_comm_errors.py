@@ -253,20 +253,23 @@ def _still_in_step(rank, world):
     return bool(torch.allclose(out.view(world, 64)[:, 0], torch.arange(1.0, world + 1), rtol=1e-6))
 
 
-def _gather_mismatch(rank, world, case):
-    qcoll.Topology(2)
+def _gather_mismatch(rank, world, case, node_by_node):
+    topo = qcoll.Topology(2)
     a = GATHER_CASES[case][rank == 3]
     x = torch.randn(a["n"], generator=torch.Generator().manual_seed(rank))
     out = torch.empty(world * a["n"])
-    kind, seconds, msg = _outcome(lambda: qcoll.all_gather_quantized(out, x, bits=a["bits"], block_size=a["block"]))
+    kind, seconds, msg = _outcome(lambda: qcoll.all_gather_quantized(out, x, bits=a["bits"], block_size=a["block"],
+                                                                     topology=topo if node_by_node else None))
     return kind, seconds, msg if kind != "returned" else None, _still_in_step(rank, world)
 
 
+@pytest.mark.parametrize("node_by_node", [False, True])
 @pytest.mark.parametrize("case", list(GATHER_CASES))
-def test_all_gather_disagreeing_rank_raises_on_every_rank(ranks4, case):
+def test_all_gather_disagreeing_rank_raises_on_every_rank(ranks4, case, node_by_node):
+    """Also gathered node by node: rank 3's frame reaches rank 0 through rank 1, and still names rank 3."""
     others, odd = GATHER_CASES[case]
     assert packed_len(**others) == packed_len(**odd)
-    for rank, (kind, seconds, msg, in_step) in enumerate(ranks4.run(_gather_mismatch, case)):
+    for rank, (kind, seconds, msg, in_step) in enumerate(ranks4.run(_gather_mismatch, case, node_by_node)):
         assert kind == "mismatch", (rank, kind, msg)
         peer, mine, theirs = (0, odd, others) if rank == 3 else (3, others, odd)
         assert f"qcoll all_gather: rank {rank} received from rank {peer} a frame with" in msg, msg

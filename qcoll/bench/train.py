@@ -117,6 +117,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=cli.positive_int, default=20, help="training steps per mode (default 20)")
     add_model_options(p)
     p.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+    p.add_argument("--prefetch", type=cli.nonnegative_int, default=None,
+                   help="qcoll modes: units gathered ahead (ZeroConfig.prefetch; default: its default, 1)")
     g = p.add_argument_group("adaptive batch (SimiGrad) and time to a target loss")
     g.add_argument("--adaptive-batch", type=float, default=None, metavar="TARGET",
                    help="adapt the batch to hold this half-batch gradient cosine (e.g. 0.8)")
@@ -165,7 +167,7 @@ def build_model(args):
 def _steps(args, model, optimizer, rank, world, loss_fn=None):
     """``--steps`` timed steps of :func:`qcoll.testing.train_steps`: (losses, the slowest rank's median
     step seconds after ``--warmup``, the last step's (intra, inter) bytes, link bytes per timed step, times,
-    the last step's collectives (total, inter-node, by op))."""
+    the last step's collectives (total, inter-node, by op), where the time goes (:func:`_where_time_goes`))."""
     from ..comm import stats
     from ..testing import Batches, stdlib_bytes, train_steps
 
@@ -175,6 +177,7 @@ def _steps(args, model, optimizer, rank, world, loss_fn=None):
     link_start = None
     counter = CollectiveCounter()
     step_start, collectives = [], []
+    phases, blocked = [], []
 
     def before_step(i):
         nonlocal link_start
@@ -186,6 +189,7 @@ def _steps(args, model, optimizer, rank, world, loss_fn=None):
 
     def after_step(i, losses):
         traffic.append((stats.stats.intra_bytes, stats.stats.inter_bytes))
+        blocked.append(dict(stats.stats.blocked_seconds))
         # every rank holds the same losses: the same decision
         return args.stop_at_target and i > args.warmup and adaptive.reached(losses, args.target_loss, args.loss_window)
 
@@ -202,7 +206,8 @@ def _steps(args, model, optimizer, rank, world, loss_fn=None):
     try:
         with counter:
             losses = train_steps(model, optimizer, batches, args.steps, rank=rank, world=world, loss_fn=loss_fn,
-                                 before_step=before_step, after_step=after_step, step_seconds=times)
+                                 before_step=before_step, after_step=after_step, step_seconds=times,
+                                 phase_seconds=phases)
     finally:
         del optimizer.zero_grad
     dist.barrier()
@@ -210,14 +215,41 @@ def _steps(args, model, optimizer, rank, world, loss_fn=None):
     link = (meter.read() - link_start) / timed if meter is not None and link_start is not None else None
     slowest = torch.tensor([statistics.median(times[args.warmup:])], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return losses, float(slowest), traffic[-1], link, times, collectives[-1]
+    profile = _where_time_goes(phases[args.warmup:], blocked[args.warmup:])
+    return losses, float(slowest), traffic[-1], link, times, collectives[-1], profile
+
+
+def _where_time_goes(phases: list[dict], blocked: list[dict]) -> dict:
+    """The mean over ranks of each rank's median seconds per timed step: ``forward``, ``backward``
+    (to the end of the gradient reductions), ``optimizer`` (step and zero_grad), and
+    ``blocked``: per qcoll operation, the seconds the rank's thread waited for the transport
+    (``qcoll.comm.stats``' ``blocked_seconds``: communication not hidden behind compute; FSDP2's
+    waits are not seen)."""
+    ops = sorted({op for b in blocked for op in b})
+    keys = ["forward", "backward", "optimizer"]
+    mine = [statistics.median(p[k] for p in phases) for k in keys]
+    mine += [statistics.median(b.get(op, 0.0) for b in blocked) for op in ops]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    mean = [statistics.fmean(col) for col in zip(*every)]
+    out = {f"{k}_s": v for k, v in zip(keys, mean)}
+    out["blocked_s"] = dict(zip(ops, mean[len(keys):]))
+    return out
+
+
+def mode_config(args, mode: str) -> dict:
+    """The :class:`~qcoll.zero.ZeroConfig` fields of qcoll mode ``mode`` with the command's overrides."""
+    fields = dict(MODES[mode])
+    if getattr(args, "prefetch", None) is not None:
+        fields["prefetch"] = args.prefetch
+    return fields
 
 
 def _run_qcoll(args, mode, topo):
     from .. import zero
 
     model = build_model(args)
-    m = zero.shard(model, topo, zero.ZeroConfig(**MODES[mode]), units=model.units())
+    m = zero.shard(model, topo, zero.ZeroConfig(**mode_config(args, mode)), units=model.units())
     opt = zero.Optimizer(m, torch.optim.AdamW, lr=args.lr, weight_decay=0.0)
     memory = {}
 
@@ -228,8 +260,9 @@ def _run_qcoll(args, mode, topo):
 
     # after each step, before zero_grad (the gradients count)
     opt.register_step_post_hook(lambda *_: memory.update(zero.memory_report(m, opt)))
-    losses, seconds, (intra, inter), link, times, colls = _steps(args, m, opt, topo.rank, topo.world_size, forward)
-    return losses, seconds, intra, inter, link, memory, times, colls
+    losses, seconds, (intra, inter), link, times, colls, profile = _steps(args, m, opt, topo.rank, topo.world_size,
+                                                                          forward)
+    return losses, seconds, intra, inter, link, memory, times, colls, profile
 
 
 def _run_fsdp2(args, topo, dtype=None):
@@ -245,7 +278,7 @@ def _run_fsdp2(args, topo, dtype=None):
         fully_shard(block, mesh=mesh, **kw)
     fully_shard(model, mesh=mesh, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    losses, seconds, _, link, times, colls = _steps(args, model, opt, topo.rank, topo.world_size)
+    losses, seconds, _, link, times, colls, profile = _steps(args, model, opt, topo.rank, topo.world_size)
     # FSDP2 moves all-gathers (forward and backward) and a reduce-scatter over the world group per unit,
     # of 4-byte (fp32) or, with the bf16 policy, 2-byte elements; counted by DESIGN.md's rule, with the
     # world spanning nodes (inter-node).
@@ -254,7 +287,7 @@ def _run_fsdp2(args, topo, dtype=None):
     shard_elems = sum(-(-p.numel() // W) for p in build_model(args).parameters())
     inter = 3 * (W - 1) * elem * shard_elems if topo.num_nodes > 1 else 0
     intra = 0 if topo.num_nodes > 1 else 3 * (W - 1) * elem * shard_elems
-    return losses, seconds, intra, inter, link, {}, times, colls
+    return losses, seconds, intra, inter, link, {}, times, colls, profile
 
 
 def is_peer(mode: str) -> bool:
@@ -279,9 +312,10 @@ def _rank_main(args) -> None:
             runs.append(_adaptive_run(args, mode, topo))
             continue
         if mode in PEERS:
-            losses, seconds, intra, inter, link, memory, times, colls = _run_fsdp2(args, topo, PEER_DTYPES[mode])
+            run = _run_fsdp2(args, topo, PEER_DTYPES[mode])
         else:
-            losses, seconds, intra, inter, link, memory, times, colls = _run_qcoll(args, mode, topo)
+            run = _run_qcoll(args, mode, topo)
+        losses, seconds, intra, inter, link, memory, times, colls, profile = run
         samples, wall, steps = adaptive.to_target(losses, [args.batch] * len(losses), times, args.target_loss,
                                                   args.loss_window)
         runs.append({"mode": mode, "step_time_s": seconds, "tokens_per_s": tokens / seconds, "losses": losses,
@@ -289,7 +323,7 @@ def _rank_main(args) -> None:
                      "inter_bytes_per_step": inter, "link_bytes_per_step": link, "memory": memory,
                      "samples_to_target": samples, "time_to_target_s": wall, "steps_to_target": steps,
                      "collectives_per_step": colls[0], "inter_collectives_per_step": colls[1],
-                     "collectives_by_op": colls[2]})
+                     "collectives_by_op": colls[2], "where_time_goes": profile})
     base = next((r for r in runs if r["mode"] == "zero3"), None)
     best = best_peer(runs)
     for r in runs:
@@ -306,11 +340,12 @@ def _rank_main(args) -> None:
         if "cosines" in r:
             print(format_adaptive(r), flush=True)
     print(format_table(runs), flush=True)
+    print(format_profile(runs), flush=True)
     if args.json:
         cli.write_json(args.json, {"command": NAME, "world": topo.world_size, "ranks_per_node": topo.ranks_per_node,
                                    "args": {k: getattr(args, k) for k in ("modes", "peer", "steps", "batch",
                                                                            "context", "d_model", "layers", "heads",
-                                                                           "lr", "seed", "warmup", "adaptive_batch",
+                                                                           "lr", "seed", "prefetch", "warmup", "adaptive_batch",
                                                                            "max_accumulation", "accumulate", "similarity_window",
                                                                            "target_loss", "loss_window", "stop_at_target")},
                                    "runs": runs})
@@ -319,7 +354,7 @@ def _rank_main(args) -> None:
 
 
 def _adaptive_run(args, mode, topo) -> dict:
-    rec = adaptive.run(args, MODES[mode], topo, build_model(args))
+    rec = adaptive.run(args, mode_config(args, mode), topo, build_model(args))
     seconds = statistics.median(rec["seconds"][args.warmup:] or rec["seconds"])
     samples, wall, steps = adaptive.to_target(rec["losses"], rec["batches"], rec["seconds"], args.target_loss,
                                               args.loss_window)
@@ -377,6 +412,19 @@ def format_table(runs: list[dict]) -> str:
     if peered and best:
         lines.append(f"coll/step: collectives each rank issues per timed step; vs_best: speed-up vs the fastest "
                      f"peer ({best})")
+    return "\n".join(lines)
+
+
+def format_profile(runs: list[dict]) -> str:
+    """Where each run's step goes (``where_time_goes``): phases and the waits for the transport."""
+    lines = ["where the time goes (ms per step, mean of the ranks' medians; blocked: waiting for the transport)"]
+    for r in runs:
+        p = r.get("where_time_goes")
+        if not p:
+            continue
+        blocked = ", ".join(f"{op} {s * 1e3:.1f}" for op, s in p["blocked_s"].items() if s >= 5e-4) or "-"
+        lines.append(f"  {r['mode']}: forward {p['forward_s'] * 1e3:.1f}, backward {p['backward_s'] * 1e3:.1f}, "
+                     f"optimizer {p['optimizer_s'] * 1e3:.1f}; blocked: {blocked}")
     return "\n".join(lines)
 
 

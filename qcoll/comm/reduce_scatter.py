@@ -102,7 +102,10 @@ def reduce_scatter_quantized(
     disagrees raises). Needs ``bits``. ``outliers=k`` (1 to 8) keeps each block's ``k``
     largest-magnitude values exactly beside the codes, in both hops (docs/FORMAT.md
     "Outlier reserve"): ``6k`` more bytes per block; not with ``similarity``. ``num_chunks > 1`` pipelines hop 2 of
-    chunk ``k`` with hop 1 of chunk ``k+1`` (bit-identical results). ``bits=None``
+    chunk ``k`` with hop 1 of chunk ``k+1`` (bit-identical results). The call launches hop 1;
+    with ``async_op`` the handle's ``advance()`` launches hop 2 once hop 1 has arrived (else
+    ``wait()`` does), so a caller that advances it after some work of its own (the ZeRO
+    layer, at its next hook) does not wait for hop 1 at the launch. ``bits=None``
     is the unquantized ``reduce_scatter_tensor`` baseline over the world.
     ``stochastic`` rounds stochastically with ``seed`` mixed with the rank.
 
@@ -163,12 +166,12 @@ def reduce_scatter_quantized(
         input = rows.hadamard_rows(input.reshape(W, S), block_size)
     call = _Qgz(output, input, hop_bits, block_size, topology, op == "avg", stochastic, seed, num_chunks, similarity,
                 hadamard, outliers)
-    return finish(call.complete, async_op, "qcoll::qgZ")
+    return finish(call.complete, async_op, "qcoll::qgZ", call.advance)
 
 
 class _Qgz:
-    """One quantized reduce-scatter: launched on construction (hop 1 of chunk ``k+1`` goes
-    out before hop 2 of chunk ``k``), finished by :meth:`complete`.
+    """One quantized reduce-scatter: hop 1 of every chunk launched on construction, hop 2 by
+    :meth:`advance` (the handle's ``advance()``, or :meth:`complete`), finished by :meth:`complete`.
 
     A hop whose frames disagree with this rank's arguments is recorded in ``failures``;
     every remaining hop still runs (hop 2 sends poisoned frames for a failed hop 1), so
@@ -194,12 +197,15 @@ class _Qgz:
         self.chunks = _chunk_bounds(S, block_size, num_chunks)
         self.failures: list[RankMismatchError] = []
         self.receipt1, self.receipt2 = _hop_receipt(topology, 1), _hop_receipt(topology, 2)
-        self.first = {0: self._hop1(0)} if self.chunks else {}
+        self.first = {k: self._hop1(k) for k in range(len(self.chunks))}
         self.second = {}
+
+    def advance(self) -> None:
+        """Launch hop 2 of every chunk (each after its hop 1 has arrived); hop 1 of every chunk
+        went out at the launch, so hop 2 of chunk ``k`` overlaps hop 1 of chunk ``k+1``."""
         for k in range(len(self.chunks)):
-            if k + 1 < len(self.chunks):
-                self.first[k + 1] = self._hop1(k + 1)
-            self.second[k] = self._hop2(k)
+            if k not in self.second:
+                self.second[k] = self._hop2(k)
 
     def _header(self, k: int, hop: int) -> framing.Header:
         a, b = self.chunks[k]
@@ -259,6 +265,7 @@ class _Qgz:
 
     def complete(self):
         """Wait for every hop, reduce each chunk into the output; raise the first mismatch."""
+        self.advance()
         # rotated: reduce into fp32, rotate back, then round once to the output's dtype
         out_flat = self.output.view(-1) if not self.rotated else torch.empty(
             self.output.numel(), dtype=torch.float32, device=self.output.device)

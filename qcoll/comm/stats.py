@@ -9,6 +9,9 @@ nodes counts as inter-node. The frame headers of the quantized collectives
 ``total_intra_bytes`` / ``total_inter_bytes`` count the same since the process started
 and are never reset, so a caller can take differences around a region (the ZeRO
 layer's generation mode does, per forward) while others reset the counters.
+``blocked_seconds`` sums, per operation, the seconds this rank's thread spent blocked
+waiting for the transport (``work.wait()``, not the decoding after it): the
+communication that was not hidden behind compute (reset with the byte counters).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ class CommStats:
     calls: dict = field(default_factory=lambda: defaultdict(int))
     total_intra_bytes: int = 0   # since start, untouched by reset()
     total_inter_bytes: int = 0
+    blocked_seconds: dict = field(default_factory=lambda: defaultdict(float))
 
     def add(self, op: str, group, nbytes: int, header_bytes: int = 0) -> None:
         """Count ``nbytes`` handed to ``group``'s peers, ``header_bytes`` of them frame headers."""
@@ -43,16 +47,22 @@ class CommStats:
             self.intra_bytes += nbytes
             self.total_intra_bytes += nbytes
 
+    def add_blocked(self, op: str, seconds: float) -> None:
+        """Count ``seconds`` this rank waited for ``op``'s transport."""
+        self.blocked_seconds[op] += seconds
+
     def reset(self) -> None:
         """Zero the counters (``total_intra_bytes`` / ``total_inter_bytes`` keep counting)."""
         self.intra_bytes = 0
         self.inter_bytes = 0
         self.header_bytes = 0
         self.calls.clear()
+        self.blocked_seconds.clear()
 
     def snapshot(self) -> dict:
         return {"intra_bytes": self.intra_bytes, "inter_bytes": self.inter_bytes,
-                "header_bytes": self.header_bytes, "calls": dict(self.calls)}
+                "header_bytes": self.header_bytes, "calls": dict(self.calls),
+                "blocked_seconds": dict(self.blocked_seconds)}
 
 
 stats = CommStats()

@@ -20,7 +20,7 @@ def train_steps(model, optimizer, batches, steps: int, *, rank: int = 0, world: 
                 loss_fn: Callable | None = None, max_grad_norm: float | None = None, scheduler=None,
                 before_step: Callable[[int], None] | None = None,
                 after_step: Callable[[int, list], bool | None] | None = None,
-                step_seconds: list | None = None) -> list[float]:
+                step_seconds: list | None = None, phase_seconds: list | None = None) -> list[float]:
     """Train ``steps`` steps; returns the loss of each step's global batch.
 
     A step: ``batch = batches.next(rank, world)`` (a :class:`~qcoll.testing.data.Batches`, a
@@ -40,7 +40,9 @@ def train_steps(model, optimizer, batches, steps: int, *, rank: int = 0, world: 
     Hooks for benchmarks: ``before_step(i)`` runs after the batch is drawn and before the step's
     clock starts (a barrier, counters reset); ``step_seconds``, when a list, gets each step's
     seconds from the forward to ``zero_grad`` included; ``after_step(i, losses)`` runs after the
-    step's loss is appended, and a true return ends the training early.
+    step's loss is appended, and a true return ends the training early. ``phase_seconds``, when
+    a list, gets per step a dict of the seconds of ``forward``, ``backward`` (with clipping) and
+    ``optimizer`` (``step``, the scheduler and ``zero_grad``), which add up to the step's seconds.
     """
     losses: list[float] = []
     for i in range(steps):
@@ -49,18 +51,23 @@ def train_steps(model, optimizer, batches, steps: int, *, rank: int = 0, world: 
             before_step(i)
         t0 = time.perf_counter()
         loss = model(*batch) if loss_fn is None else loss_fn(model, *batch)
+        t1 = time.perf_counter()
         loss.backward()
         if max_grad_norm is not None:
             if hasattr(optimizer, "clip_grad_norm_"):
                 optimizer.clip_grad_norm_(max_grad_norm)
             else:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        t2 = time.perf_counter()
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
         optimizer.zero_grad()
+        t3 = time.perf_counter()
         if step_seconds is not None:
-            step_seconds.append(time.perf_counter() - t0)
+            step_seconds.append(t3 - t0)
+        if phase_seconds is not None:
+            phase_seconds.append({"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2})
         losses.append(global_loss(loss) if world > 1 else float(loss.detach()))
         if after_step is not None and after_step(i, losses):
             break

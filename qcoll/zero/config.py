@@ -39,6 +39,11 @@ class ZeroConfig:
     optimizer state are always fp32. ``persist_threshold``: parameters of fewer elements
     stay whole on every rank, never gathered, their gradients averaged by one all-reduce
     per backward (DeepSpeed's ``stage3_param_persistence_threshold``; 0 shards everything).
+    ``hierarchical_gather``: the forward gathers (and without hpZ the backward's) run node
+    by node, across nodes among ranks of equal local index and then inside the node
+    (``all_gather_quantized(topology=...)``): each shard crosses the node links once per
+    other node instead of a ring's ``W - 1`` times through its links between nodes.
+    Same values; ``False`` is the one all-gather over the world that DeepSpeed and FSDP run.
 
     ``ZeroConfig(weight_bits=None, hpz=False, grad_bits=None)`` is plain ZeRO-3.
     """
@@ -55,6 +60,7 @@ class ZeroConfig:
     prefetch: int = 1
     compute_dtype: torch.dtype | None = None
     persist_threshold: int = 0
+    hierarchical_gather: bool = True
 
     def __post_init__(self):
         if self.weight_bits is not None:
@@ -76,7 +82,7 @@ class ZeroConfig:
             raise ValueError("grad_hadamard=True needs quantized gradients (grad_bits is None)")
         fmt.check_block_size(self.weight_block, "weight_block")
         fmt.check_block_size(self.grad_block, "grad_block")
-        for name in ("hpz", "stochastic_grad_rounding", "grad_hadamard"):
+        for name in ("hpz", "stochastic_grad_rounding", "grad_hadamard", "hierarchical_gather"):
             check_bool(getattr(self, name), name)
         check_int(self.prefetch, "prefetch", minimum=0)
         check_int(self.persist_threshold, "persist_threshold", minimum=0)

@@ -26,6 +26,11 @@ backward does), until the mode ends and releases them. Secondary shards held on 
 exit; a kept shard whose master changed since (an optimizer step) is dropped at the next
 forward and gathered again. Backward inside the mode is refused.
 
+Collectives of dependent stages (the hierarchical forward gather's stage inside the
+node, qgZ's hop 2) are launched at the engine's next hook after their first stage
+(:meth:`Engine._advance`), so that the first stage's transport overlaps the compute
+in between instead of blocking the hook that launched it.
+
 Every rank must run the same units in the same order and use the same
 parameters in each backward (as with DDP without ``find_unused_parameters``):
 the collectives are matched by order.
@@ -215,8 +220,18 @@ class Engine:
         group.gather_now(backward=False)
         self._record_gathered()
 
+    def _advance(self) -> None:
+        """Launch the next stage of every collective in flight (gathers, then reductions, each
+        in launch order): the same hooks run in the same order on every rank, so every rank
+        launches them at the same point of its sequence of collectives."""
+        for g in self.groups:
+            g.advance()
+        for _, handle, _ in self.reduces:
+            handle.advance()
+
     @_engine_hook("qcoll.zero::pre_forward")
     def _pre_forward(self, unit: Unit, module, args):
+        self._advance()
         call = len(self.order)
         self.order.append(unit)
         self.running.append(unit)
@@ -233,6 +248,7 @@ class Engine:
     def _post_forward(self, unit: Unit, module, args, output):
         if self.running and self.running[-1] is unit:
             self.running.pop()
+        self._advance()
         for g in unit.groups:
             g.end_forward_use()
         if torch.is_grad_enabled():  # frozen units too: a gradient may flow through them to earlier units
@@ -253,6 +269,7 @@ class Engine:
         if not self.in_backward:
             self.in_backward = True
             Variable._execution_engine.queue_callback(self._end_backward)
+        self._advance()
         for g in unit.groups:
             g.hold_for_backward()
         for prev in reversed(order[max(0, call - self.config.prefetch): call]):
@@ -268,6 +285,7 @@ class Engine:
         if not self.sync_grads or group.reducing:
             return
         if group.grad_ready():
+            self._advance()
             self._reduce(group)
 
     def _seed(self, group: FlatGroup) -> int:

@@ -132,7 +132,8 @@ class FlatGroup:
             self.hold_secondary or (torch.is_grad_enabled() and self.trainable))
         self._pending = all_gather_quantized(self.full, src, bits=self.config.weight_bits,
                                              block_size=self.config.weight_block, async_op=True,
-                                             outliers=self.config.weight_outliers)
+                                             outliers=self.config.weight_outliers,
+                                             topology=self.topology if self.config.hierarchical_gather else None)
 
     def wait_for_unshard(self) -> None:
         """GATHERING -> GATHERED (a no-op when gathered): wait for the gather; a forward
@@ -152,6 +153,13 @@ class FlatGroup:
             self.secondary = SecondaryShard.keep(result, self.topology)
             self._keep_gathered = False
         self.gather_state = GatherState.GATHERED
+
+    def advance(self) -> None:
+        """Launch the next stage of a gather in flight (its handle's ``advance()``: the
+        hierarchical gather's stage inside the node, once the stage across nodes has arrived).
+        The engine calls it at its hooks, in the same order on every rank."""
+        if self._pending is not None:
+            self._pending.advance()
 
     def gather_now(self, backward: bool) -> None:
         """Any gather state -> GATHERED: :meth:`unshard` and :meth:`wait_for_unshard`."""

@@ -30,6 +30,9 @@ class _AllReduce:
     def __init__(self, work, grad: torch.Tensor, world: int):
         self._work, self._grad, self._world = work, grad, world
 
+    def advance(self) -> None:
+        """One stage: nothing further to launch."""
+
     def wait(self):
         if self._work is not None:
             self._work.wait()
