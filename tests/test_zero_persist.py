@@ -116,3 +116,15 @@ def test_config_and_deepspeed_mapping():
         zero.ZeroConfig(persist_threshold=-1)
     with pytest.raises(TypeError, match="persist_threshold"):
         zero.ZeroConfig(persist_threshold=1.5)
+
+
+def test_bucket_and_hierarchical_gather_config_and_deepspeed_mapping():
+    cfg = zero.ZeroConfig()
+    assert cfg.reduce_bucket_numel == 0 and cfg.hierarchical_gather is True
+    ds = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 500000000}}
+    assert zero.ZeroConfig.from_deepspeed(ds).reduce_bucket_numel == 500000000
+    assert zero.ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 3}}).reduce_bucket_numel == 0
+    with pytest.raises(ValueError, match="reduce_bucket_numel"):
+        zero.ZeroConfig(reduce_bucket_numel=-1)
+    with pytest.raises(TypeError, match="hierarchical_gather"):
+        zero.ZeroConfig(hierarchical_gather=1)

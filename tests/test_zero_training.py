@@ -242,3 +242,39 @@ def test_node_by_node_gathers_train_exactly_like_the_flat_gather(ranks4, fields)
     flat = ranks4.run(_masters_after, zero.ZeroConfig(hierarchical_gather=False, **fields), 3, timeout=120)
     for (loss_a, a), (loss_b, b) in zip(staged, flat):
         assert loss_a == loss_b and torch.equal(a, b)
+
+
+def _bucketed(rank, world, config, steps):
+    topo = qcoll.Topology(2)
+    model = tiny_model(0)
+    m = zero.shard(model, topo, config, units=model.units())
+    opt = zero.Optimizer(m, torch.optim.AdamW, lr=3e-3)
+    calls = []
+    losses = train_steps(m, opt, Batches(corpus(), BATCH, 32, 0), steps, rank=rank, world=world,
+                         before_step=lambda i: stats.reset(),
+                         after_step=lambda i, losses: calls.append(dict(stats.stats.calls)))
+    sizes = [g.topology.world_size * g.shard_numel for g in zero.state_of(m).groups]
+    return losses, torch.cat([g.master.detach().clone() for g in zero.state_of(m).groups]), calls[-1], sizes
+
+
+@pytest.mark.parametrize("fields", [dict(), dict(weight_bits=None, hpz=False), dict(weight_bits=None, hpz=False,
+                                                                                    grad_bits=None)])
+def test_coalesced_reductions_train_exactly_like_one_per_group(ranks4, fields):
+    """reduce_bucket_numel: the groups' gradients reduced together in fewer collectives, with the
+    values of one reduce-scatter per group, bit for bit (with weight_bits=None the groups' slices
+    are not block-aligned by the layout: the bucket aligns them). A bucket larger than the model
+    holds every group until the end of the backward: one reduction; one a little larger than
+    the largest group is launched during the backward: more than one, fewer than the groups."""
+    alone = ranks4.run(_bucketed, zero.ZeroConfig(**fields), 3, timeout=120)
+    sizes = alone[0][3]
+    op = "reduce_scatter" if fields.get("grad_bits", 4) is None else "all_to_all"
+    per_call = 1 if op == "reduce_scatter" else 2   # qgZ: two hops
+    for limit in (sum(sizes) + 1, max(sizes) + 1):
+        together = ranks4.run(_bucketed, zero.ZeroConfig(reduce_bucket_numel=limit, **fields), 3, timeout=120)
+        for (loss_a, a, calls_a, _), (loss_b, b, calls_b, _) in zip(alone, together):
+            assert loss_a == loss_b and torch.equal(a, b)
+            assert calls_a[op] == per_call * len(sizes)
+            if limit > sum(sizes):
+                assert calls_b[op] == per_call
+            else:
+                assert per_call < calls_b[op] < calls_a[op]

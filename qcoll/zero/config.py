@@ -14,7 +14,7 @@ _COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
 # DeepSpeed ``zero_optimization`` keys that qcoll understands; everything else is ignored (and named).
 _DS_KNOWN = {"stage", "zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients",
-             "stage3_param_persistence_threshold"}
+             "stage3_param_persistence_threshold", "reduce_bucket_size"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +44,13 @@ class ZeroConfig:
     (``all_gather_quantized(topology=...)``): each shard crosses the node links once per
     other node instead of a ring's ``W - 1`` times through its links between nodes.
     Same values; ``False`` is the one all-gather over the world that DeepSpeed and FSDP run.
+    ``reduce_bucket_numel``: coalesce the gradient reductions of groups that finish their
+    backward one after another into one reduce-scatter, launched once the groups waiting hold
+    at least this many gradient elements (whole, unsharded; the rest at the end of the
+    backward): fewer, larger collectives for many small units, at the price of starting the
+    first ones later (DeepSpeed's ``reduce_bucket_size``; 0, the default, reduces each group
+    as soon as its gradients are ready). Each group's slice starts at a gradient block, so
+    coalescing does not change the values (with deterministic rounding, without rotation).
 
     ``ZeroConfig(weight_bits=None, hpz=False, grad_bits=None)`` is plain ZeRO-3.
     """
@@ -61,6 +68,7 @@ class ZeroConfig:
     compute_dtype: torch.dtype | None = None
     persist_threshold: int = 0
     hierarchical_gather: bool = True
+    reduce_bucket_numel: int = 0
 
     def __post_init__(self):
         if self.weight_bits is not None:
@@ -86,6 +94,7 @@ class ZeroConfig:
             check_bool(getattr(self, name), name)
         check_int(self.prefetch, "prefetch", minimum=0)
         check_int(self.persist_threshold, "persist_threshold", minimum=0)
+        check_int(self.reduce_bucket_numel, "reduce_bucket_numel", minimum=0)
         if self.compute_dtype not in _COMPUTE_DTYPES:
             raise TypeError(f"compute_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, "
                             f"got {self.compute_dtype!r}")
@@ -106,7 +115,8 @@ class ZeroConfig:
         ``stage`` must be 3. ``zero_quantized_weights`` -> 8-bit qwZ,
         ``zero_quantized_gradients`` -> 4-bit qgZ, ``zero_hpz_partition_size > 1``
         -> hpZ with the node (``ranks_per_node``) as the secondary group,
-        ``stage3_param_persistence_threshold`` -> ``persist_threshold``; a size
+        ``stage3_param_persistence_threshold`` -> ``persist_threshold``,
+        ``reduce_bucket_size`` (when given) -> ``reduce_bucket_numel``; a size
         other than ``ranks_per_node`` gets a warning naming both. Keys qcoll does
         not implement are listed in one warning and otherwise ignored.
         ``overrides`` are further :class:`ZeroConfig` fields.
@@ -135,5 +145,7 @@ class ZeroConfig:
             "hpz": hpz_size > 1,
             "persist_threshold": int(section.get("stage3_param_persistence_threshold", 0)),
         }
+        if "reduce_bucket_size" in section:
+            fields["reduce_bucket_numel"] = int(section["reduce_bucket_size"])
         fields.update(overrides)
         return cls(**fields)

@@ -52,7 +52,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from ..comm import similarity as sim
 from ..comm.stats import stats
 from ..quant.rng import mix32_int
-from .flat import FlatGroup
+from .flat import FlatGroup, reduce_together
 from .generation import GenerationStats
 from .units import Unit
 
@@ -125,6 +125,7 @@ class Engine:
         self.sync_grads = True
         self.in_backward = False
         self.reduces = []
+        self.bucket: list = []             # (group, gradients) waiting for one coalesced reduction
         self.micro_step = 0
         self.probed = False                # a forward completed under the probe
         self.running: list[Unit] = []     # units inside their forward, innermost last
@@ -295,8 +296,24 @@ class Engine:
     def _reduce(self, group: FlatGroup) -> None:
         if self.measure_similarity and self._similarity is None:
             self._similarity = sim.new_stats(group.master.device)
-        handle, shard = group.reduce_grads(self._seed(group), self._similarity)
-        self.reduces.append((group, handle, shard))
+        limit = self.config.reduce_bucket_numel
+        if not limit or group.replicated:
+            handle, shard = group.reduce_grads(self._seed(group), self._similarity)
+            self.reduces.append((group, handle, shard))
+            return
+        self.bucket.append((group, group.take_grads()))
+        if sum(flat.numel() for _, flat in self.bucket) >= limit:
+            self._flush_bucket()
+
+    def _flush_bucket(self) -> None:
+        """Start one reduce-scatter of the gradients of the groups waiting in the bucket."""
+        if not self.bucket:
+            return
+        bucket, self.bucket = self.bucket, []
+        groups = [g for g, _ in bucket]
+        handle, shards = reduce_together(groups, [flat for _, flat in bucket], self._seed(groups[0]),
+                                         self._similarity)
+        self.reduces.extend((g, handle, shard) for g, shard in zip(groups, shards))
 
     @_engine_hook("qcoll.zero::post_backward")
     def _end_backward(self) -> None:
@@ -305,10 +322,12 @@ class Engine:
                 for g in self.groups:
                     if g.trainable and not g.reducing:
                         self._reduce(g)
+                self._flush_bucket()
             self.wait_reduces()
             self._finish_similarity()
         finally:
             self._similarity = None
+            self.bucket = []
             for g in self.groups:
                 g.end_backward()
             self.in_backward = False

@@ -233,31 +233,30 @@ class FlatGroup:
         self._grads_ready += 1
         return self._grads_ready == len(self.params)
 
+    def take_grads(self) -> torch.Tensor:
+        """IDLE/HELD -> REDUCING: flatten the parameters' gradients into a fp32 ``[world * S]``
+        buffer of the group's layout (zeros where a parameter has none), drop them, drop the
+        secondary shard and reshard. Returns the buffer for :func:`reduce_together`."""
+        assert_in(self.grad_state, (GradState.IDLE, GradState.HELD), "take_grads", self.name)
+        flat = torch.zeros(self.topology.world_size * self.shard_numel, dtype=torch.float32, device=self.master.device)
+        for p, off, n in zip(self.params, self.offsets, self.numels):
+            if p.grad is not None:
+                flat[off:off + n].copy_(p.grad.reshape(-1))
+                p.grad = None
+        self.grad_state = GradState.REDUCING
+        self.drop_secondary()
+        self.reshard()
+        return flat
+
     def reduce_grads(self, seed: int, similarity: torch.Tensor | None = None):
-        """IDLE/HELD -> REDUCING: flatten the parameters' gradients, drop them, start the qgZ
-        reduce-scatter, drop the secondary shard and reshard.
+        """IDLE/HELD -> REDUCING: :meth:`take_grads` and start their qgZ reduce-scatter alone.
 
         Returns ``(handle, shard)``: after ``handle.wait()``, ``shard`` holds this rank's
         slice of the world-averaged gradient (fp32) and ``similarity`` (if given) this
         slice's half-batch statistics added (see ``reduce_scatter_quantized``).
         """
         assert_in(self.grad_state, (GradState.IDLE, GradState.HELD), "reduce_grads", self.name)
-        cfg = self.config
-        W, S = self.topology.world_size, self.shard_numel
-        flat = torch.zeros(W * S, dtype=torch.float32, device=self.master.device)
-        for p, off, n in zip(self.params, self.offsets, self.numels):
-            if p.grad is not None:
-                flat[off:off + n].copy_(p.grad.reshape(-1))
-                p.grad = None
-        shard = torch.empty(S, dtype=torch.float32, device=self.master.device)
-        handle = reduce_scatter_quantized(shard, flat, bits=cfg.grad_bits, block_size=cfg.grad_block,
-                                          topology=self.topology, op="avg", stochastic=cfg.stochastic_grad_rounding,
-                                          seed=seed if cfg.stochastic_grad_rounding else 0, async_op=True,
-                                          similarity=similarity, hadamard=cfg.grad_hadamard,
-                                          outliers=cfg.grad_outliers)
-        self.grad_state = GradState.REDUCING
-        self.drop_secondary()
-        self.reshard()
+        handle, (shard,) = reduce_together([self], [self.take_grads()], seed, similarity)
         return handle, shard
 
     def accumulate(self, shard: torch.Tensor) -> None:
@@ -357,3 +356,34 @@ def _aligned_offsets(numels: list[int], align: int) -> list[int]:
         offsets.append(pos)
         pos = _round_up(pos + n, align)
     return offsets
+
+
+def reduce_together(groups: list[FlatGroup], flats: list[torch.Tensor], seed: int,
+                    similarity: torch.Tensor | None = None):
+    """Start one reduce-scatter (qgZ, or the unquantized baseline) of several groups' gradients
+    (:meth:`FlatGroup.take_grads`; one config and topology). Rank ``r``'s slices of the groups are
+    laid side by side, each starting at a multiple of the gradient block when quantized, so no
+    quantization block mixes two groups and each group's result is the one a reduce-scatter of
+    it alone would give (bit for bit with deterministic rounding and no rotation). Returns
+    ``(handle, shards)``: after ``handle.wait()`` ``shards[i]`` is group ``i``'s slice (fp32)."""
+    cfg, topology = groups[0].config, groups[0].topology
+    W = topology.world_size
+    device = groups[0].master.device
+    if len(groups) == 1:
+        rows, starts = flats[0], [0]
+        width = groups[0].shard_numel
+    else:
+        align = cfg.grad_block if cfg.grad_bits is not None else 1
+        starts, width = [], 0
+        for g in groups:
+            starts.append(width)
+            width += _round_up(g.shard_numel, align)
+        rows = torch.zeros(W, width, dtype=torch.float32, device=device)
+        for g, flat, a in zip(groups, flats, starts):
+            rows[:, a:a + g.shard_numel].copy_(flat.view(W, g.shard_numel))
+    out = torch.empty(width, dtype=torch.float32, device=device)
+    handle = reduce_scatter_quantized(out, rows.reshape(-1), bits=cfg.grad_bits, block_size=cfg.grad_block,
+                                      topology=topology, op="avg", stochastic=cfg.stochastic_grad_rounding,
+                                      seed=seed if cfg.stochastic_grad_rounding else 0, async_op=True,
+                                      similarity=similarity, hadamard=cfg.grad_hadamard, outliers=cfg.grad_outliers)
+    return handle, [out[a:a + g.shard_numel] for g, a in zip(groups, starts)]
