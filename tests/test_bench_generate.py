@@ -90,16 +90,20 @@ def test_small_run_matches_the_unsharded_model_and_the_byte_rule(tmp_path):
     shards = [-(-sum(g) // W) for g in groups]
     # quantized weights: each parameter starts on a block boundary and a shard is whole blocks
     aligned = [_aligned_shard(g) for g in groups]
-    # summed over the W ranks: an all-gather over the world (spans nodes) counts (W-1) x own buffer per rank
-    zero3_inter = W * (W - 1) * 4 * sum(shards)
-    qwz_inter = W * (W - 1) * sum(HEADER + _packed(s, 8) for s in aligned)
+    # summed over the W ranks, a gather node by node: (N-1) x own buffer per rank across nodes, then
+    # (L-1) x the N received buffers inside the node
+    frames = sum(HEADER + _packed(s, 8) for s in aligned)
+    zero3_inter, zero3_intra = W * (N - 1) * 4 * sum(shards), W * (L - 1) * N * 4 * sum(shards)
+    qwz_inter, qwz_intra = W * (N - 1) * frames, W * (L - 1) * N * frames
     # replica_gather: (L-1) x the N kept frames, node-local
-    hpz_intra = W * (L - 1) * N * sum(HEADER + _packed(s, 8) for s in aligned)
+    hpz_intra = W * (L - 1) * N * frames
     z3, zpp, gen = runs["zero3"], runs["zeropp"], runs["zeropp-gen"]
     assert z3["inter_bytes_first_forward"] == z3["inter_bytes_per_token_after_first"] == zero3_inter
+    assert z3["intra_bytes_first_forward"] == z3["intra_bytes_per_token_after_first"] == zero3_intra
     assert zpp["inter_bytes_first_forward"] == zpp["inter_bytes_per_token_after_first"] == qwz_inter
+    assert zpp["intra_bytes_first_forward"] == zpp["intra_bytes_per_token_after_first"] == qwz_intra
     assert gen["inter_bytes_first_forward"] == qwz_inter and gen["inter_bytes_per_token_after_first"] == 0
-    assert gen["intra_bytes_first_forward"] == 0 and gen["intra_bytes_per_token_after_first"] == hpz_intra
+    assert gen["intra_bytes_first_forward"] == qwz_intra and gen["intra_bytes_per_token_after_first"] == hpz_intra
     assert all(r["forwards"] == 3 and r["link_bytes_total"] is None for r in runs.values())
     assert z3["speedup_vs_zero3"] == 1.0
     assert "zeropp-gen" in p.stdout and "tokens/s" in p.stdout

@@ -85,6 +85,9 @@ MODES = {
     # final norm with the last block, the embedding with the position table: 5 reductions instead of 7)
     "zero3-b100k": dict(weight_bits=None, hpz=False, grad_bits=None, reduce_bucket_numel=100_000),
     "zeropp-b100k": dict(weight_bits=8, hpz=True, grad_bits=4, reduce_bucket_numel=100_000),
+    # two units gathered ahead instead of one: on a slow link the next gather is already queued when one ends
+    "zeropp-pf2": dict(weight_bits=8, hpz=True, grad_bits=4, prefetch=2),
+    "zeropp-w4-pf2": dict(weight_bits=4, hpz=True, grad_bits=4, prefetch=2),
     # the gathers as one all-gather over the world (gloo's ring), as before issue 20
     "zero3-ring": dict(weight_bits=None, hpz=False, grad_bits=None, hierarchical_gather=False),
     "zeropp-ring": dict(weight_bits=8, hpz=True, grad_bits=4, hierarchical_gather=False),
