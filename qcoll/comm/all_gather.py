@@ -158,7 +158,7 @@ class _NodeByNode:
 
     def __init__(self, output, wire, header, topology: Topology):
         self.t, self.output, self.wire, self.header = topology, output, wire, header
-        N, L = topology.num_nodes, topology.ranks_per_node
+        N = topology.num_nodes
         self.nbytes = wire.numel() * wire.element_size()
         self.hb = 0 if header is None else framing.header_bytes()
         self.across = (torch.empty(N * wire.numel(), dtype=wire.dtype, device=wire.device) if header is None else

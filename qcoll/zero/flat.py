@@ -177,10 +177,6 @@ class FlatGroup:
             self._free_storage()
             self.gather_state = GatherState.RELEASED
 
-    def gathered_nbytes(self) -> int:
-        """Bytes of full parameters this group holds now (in flight or gathered)."""
-        return self.full.untyped_storage().nbytes()
-
     # ------------------------------------------------------------------ forward uses
     def begin_forward_use(self) -> None:
         """A unit that needs this group starts its forward (the group stays gathered until it ends)."""
