@@ -360,8 +360,9 @@ def test_ctrl_c_stops_every_rank_cleanly(tmp_path):
            "--min", "64K", "--max", "64M", "--iters", "50"]
     env = _env(QCOLL_PROGRESS="1")
     env.pop("PYTHONWARNINGS")   # as a user runs it: the resource tracker's warnings about leaks are shown
+    # as from a terminal: SIGINT handled (a shell's background job, e.g. a CI step run with `&`, inherits it ignored)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path, start_new_session=True,
-                            env=env)
+                            env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     chunks = []
     reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stderr.read1(4096), b"")), daemon=True)
     reader.start()

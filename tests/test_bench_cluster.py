@@ -346,7 +346,9 @@ def test_failing_command_tears_down(tmp_path):
 @needs_netns
 @slow
 def test_ctrl_c_tears_down(tmp_path):
-    p = _cluster(["--link", "10mbit", "--", "train", "--steps", "200", "--warmup", "1"], tmp_path)
+    # SIGINT handled, as from a terminal (a shell's background job, e.g. a CI step run with `&`, inherits it ignored)
+    p = _cluster(["--link", "10mbit", "--", "train", "--steps", "200", "--warmup", "1"], tmp_path,
+                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not _cluster_namespaces(p.pid) and time.monotonic() < deadline and p.poll() is None:
         time.sleep(0.2)
