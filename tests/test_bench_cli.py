@@ -519,3 +519,23 @@ def test_train_table_shows_collectives_and_the_best_peer(train_peers):
         assert r["speedup_vs_best_peer"] == pytest.approx(best["step_time_s"] / r["step_time_s"])
         assert float(rows[mode][cols.index("vs_best")]) == pytest.approx(r["speedup_vs_best_peer"], abs=0.006)
     assert f"fastest peer ({best['mode']})" in out
+
+
+def test_train_units_option_picks_the_model_units_or_every_linear():
+    from qcoll.bench import train
+    from qcoll.testing import TransformerConfig, char_transformer
+
+    p = train.register(argparse_subparsers())
+    model = char_transformer(TransformerConfig(context=16, d_model=32, n_layers=2, n_heads=2), 0)
+    assert train.model_units(p.parse_args([]), model) == model.units()
+    fine = train.model_units(p.parse_args(["--units", "linears"]), model)
+    linears = [m for b in model.blocks for m in b.modules() if isinstance(m, torch.nn.Linear)]
+    assert fine == [model.embed, *linears, model.ln_f] and len(linears) == 4 * len(model.blocks)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--units", "layers"])
+
+
+def argparse_subparsers():
+    import argparse
+
+    return argparse.ArgumentParser().add_subparsers()

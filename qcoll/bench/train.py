@@ -19,6 +19,11 @@ reduce-scatter stays fp32), ZeRO++ quantizes and gathers bf16 (the same wire byt
 in fp32). The *best peer* is the fastest run of an FSDP2 peer or of qcoll's unquantized
 ``zero3`` / ``zero3-bf16``: the configurations ZeRO++ is measured against.
 
+``--prefetch N`` overrides the qcoll modes' ``ZeroConfig.prefetch``; ``--units linears`` makes every
+Linear layer its own unit (smaller units: earlier first gradient reductions, more collectives).
+Under the table, *where the time goes*: per mode the forward, backward and optimizer milliseconds
+and the milliseconds qcoll's collectives waited for their transport (``where_time_goes`` in the JSON).
+
 Collectives per step (``coll/step``): every collective this rank issues from the
 forward to ``zero_grad`` of the last timed step, counted at torch.distributed's
 ``ProcessGroup`` methods (:mod:`qcoll.bench.collcount`), the same rule for qcoll and
@@ -85,6 +90,7 @@ MODES = {
     # final norm with the last block, the embedding with the position table: 5 reductions instead of 7)
     "zero3-b100k": dict(weight_bits=None, hpz=False, grad_bits=None, reduce_bucket_numel=100_000),
     "zeropp-b100k": dict(weight_bits=8, hpz=True, grad_bits=4, reduce_bucket_numel=100_000),
+    "zeropp-w4-b100k": dict(weight_bits=4, hpz=True, grad_bits=4, reduce_bucket_numel=100_000),
     # two units gathered ahead instead of one: on a slow link the next gather is already queued when one ends
     "zeropp-pf2": dict(weight_bits=8, hpz=True, grad_bits=4, prefetch=2),
     "zeropp-w4-pf2": dict(weight_bits=4, hpz=True, grad_bits=4, prefetch=2),
@@ -129,6 +135,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
     p.add_argument("--prefetch", type=cli.nonnegative_int, default=None,
                    help="qcoll modes: units gathered ahead (ZeroConfig.prefetch; default: its default, 1)")
+    p.add_argument("--units", choices=("blocks", "linears"), default="blocks",
+                   help="qcoll modes: the units gathered together: the embedding, each block and the final norm "
+                        "(blocks, the default), or the embedding, each Linear layer and the final norm (linears: "
+                        "smaller units, so the first gradients are reduced earlier in the backward)")
     g = p.add_argument_group("adaptive batch (SimiGrad) and time to a target loss")
     g.add_argument("--adaptive-batch", type=float, default=None, metavar="TARGET",
                    help="adapt the batch to hold this half-batch gradient cosine (e.g. 0.8)")
@@ -255,11 +265,20 @@ def mode_config(args, mode: str) -> dict:
     return fields
 
 
+def model_units(args, model) -> list:
+    """The units of ``--units``: the model's own (:meth:`CharTransformer.units`) or every Linear layer
+    with the embedding and the final norm (the LayerNorms of the blocks and the positions go to the root)."""
+    if getattr(args, "units", "blocks") == "blocks":
+        return model.units()
+    linears = [m for block in model.blocks for m in block.modules() if isinstance(m, torch.nn.Linear)]
+    return [model.embed, *linears, model.ln_f]
+
+
 def _run_qcoll(args, mode, topo):
     from .. import zero
 
     model = build_model(args)
-    m = zero.shard(model, topo, zero.ZeroConfig(**mode_config(args, mode)), units=model.units())
+    m = zero.shard(model, topo, zero.ZeroConfig(**mode_config(args, mode)), units=model_units(args, model))
     opt = zero.Optimizer(m, torch.optim.AdamW, lr=args.lr, weight_decay=0.0)
     memory = {}
 
@@ -355,7 +374,7 @@ def _rank_main(args) -> None:
         cli.write_json(args.json, {"command": NAME, "world": topo.world_size, "ranks_per_node": topo.ranks_per_node,
                                    "args": {k: getattr(args, k) for k in ("modes", "peer", "steps", "batch",
                                                                            "context", "d_model", "layers", "heads",
-                                                                           "lr", "seed", "prefetch", "warmup", "adaptive_batch",
+                                                                           "lr", "seed", "prefetch", "units", "warmup", "adaptive_batch",
                                                                            "max_accumulation", "accumulate", "similarity_window",
                                                                            "target_loss", "loss_window", "stop_at_target")},
                                    "runs": runs})
