@@ -128,3 +128,18 @@ def test_bucket_and_hierarchical_gather_config_and_deepspeed_mapping():
         zero.ZeroConfig(reduce_bucket_numel=-1)
     with pytest.raises(TypeError, match="hierarchical_gather"):
         zero.ZeroConfig(hierarchical_gather=1)
+
+
+def test_deepspeed_counts_accept_floats_and_auto_and_name_bad_values():
+    ds = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8, "stage3_param_persistence_threshold": 1e4}}
+    cfg = zero.ZeroConfig.from_deepspeed(ds)
+    assert (cfg.reduce_bucket_numel, cfg.persist_threshold) == (500_000_000, 10_000)
+    auto = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"}}
+    with pytest.warns(UserWarning, match="is 'auto'") as caught:
+        cfg = zero.ZeroConfig.from_deepspeed(auto)
+    said = " ".join(str(w.message) for w in caught)
+    assert "reduce_bucket_size is 'auto'" in said and "stage3_param_persistence_threshold is 'auto'" in said
+    assert (cfg.reduce_bucket_numel, cfg.persist_threshold) == (0, 0)
+    for bad in ("lots", -1, 1.5, True):
+        with pytest.raises(ValueError, match=r"zero_optimization.reduce_bucket_size must be .*got"):
+            zero.ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 3, "reduce_bucket_size": bad}})

@@ -143,9 +143,27 @@ class ZeroConfig:
             "weight_bits": 8 if section.get("zero_quantized_weights", False) else None,
             "grad_bits": 4 if section.get("zero_quantized_gradients", False) else None,
             "hpz": hpz_size > 1,
-            "persist_threshold": int(section.get("stage3_param_persistence_threshold", 0)),
         }
-        if "reduce_bucket_size" in section:
-            fields["reduce_bucket_numel"] = int(section["reduce_bucket_size"])
+        for key, name in (("stage3_param_persistence_threshold", "persist_threshold"),
+                          ("reduce_bucket_size", "reduce_bucket_numel")):
+            value = _ds_count(section, key)
+            if value is not None:
+                fields[name] = value
         fields.update(overrides)
         return cls(**fields)
+
+
+def _ds_count(section: dict, key: str) -> int | None:
+    """A DeepSpeed element count (``5e8`` or ``500000000``); None when absent or ``"auto"``
+    (Hugging Face's placeholder, filled from the model by its Trainer: qcoll keeps its default)."""
+    value = section.get(key)
+    if value is None:
+        return None
+    if value == "auto":
+        warnings.warn(f"qcoll ZeroConfig.from_deepspeed: zero_optimization.{key} is 'auto'; using qcoll's "
+                      f"default (set a number to choose)", stacklevel=3)
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
+        raise ValueError(f"zero_optimization.{key} must be a non-negative whole number of elements or 'auto', "
+                         f"got {value!r}")
+    return int(value)
