@@ -85,13 +85,17 @@ def _node_by_node(rank, world, L, bits, outliers, dtype):
     stats.reset()
     handle = qcoll.all_gather_quantized(staged, mine, bits=bits, block_size=128, outliers=outliers, topology=topo,
                                         async_op=True)
+    N = world // L
+    stages = 2 if N > 1 and L > 1 else 1
+    assert stats.stats.calls["all_gather"] == 1           # the call launches the first stage only
     handle.advance()
     handle.advance()  # idempotent: the stage inside the node is launched once
+    assert stats.stats.calls["all_gather"] == stages      # advance() launched the second
     b = handle.wait()
+    assert stats.stats.calls["all_gather"] == stages
     assert torch.equal(flat, staged) and torch.equal(a.rows, b.rows) and b.output is staged
     if bits is None:
         assert torch.equal(staged, torch.cat([shard_of(r, n, dtype=dtype) for r in range(world)]))
-    N = world // L
     frame = a.rows[0].numel() * a.rows.element_size()
     if N > 1 and L > 1:   # each buffer crosses once per other node, then N of them inside the node
         assert (stats.stats.inter_bytes, stats.stats.intra_bytes) == ((N - 1) * frame, (L - 1) * N * frame)
@@ -202,10 +206,13 @@ def _qgz_chunked(rank, world, stochastic):
     outs = []
     for chunks in (1, 3, 100):
         out = torch.empty(1000)
+        stats.reset()
         h = qcoll.reduce_scatter_quantized(out, x, bits=4, block_size=32, topology=topo, num_chunks=chunks,
                                            stochastic=stochastic, seed=7, async_op=True)
         if chunks == 3:  # hop 2 launched by advance() (the ZeRO layer's way) before wait()
+            assert stats.stats.calls["all_to_all"] == 3   # the call: hop 1 of the 3 chunks
             h.advance()
+            assert stats.stats.calls["all_to_all"] == 6   # advance(): hop 2 of each
         h.wait()
         outs.append(out)
     sync = torch.empty(1000)
