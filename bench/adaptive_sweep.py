@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 
+from qcoll.bench.cli import write_json
+
 
 def _train_args(a, batch, lr, seed, extra):
     return ["train", "--modes", "zeropp", "--steps", str(a.steps), "--warmup", "2", "--batch", str(batch),
@@ -87,8 +89,7 @@ def main(argv=None):
               f"{format(v['wall_s'], '.1f') if v['wall_s'] else '-':>8} "
               f"{v['step_ms']:>9.0f} {f'{ratio_s:.2f}' if ratio_s else '-':>13} {f'{ratio_w:.2f}' if ratio_w else '-':>15}")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"args": vars(a), "rows": rows, "summary": summary}, f, indent=1)
+        write_json(a.out, {"args": vars(a), "rows": rows, "summary": summary})
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shutil
 import tempfile
@@ -47,6 +46,7 @@ import torch.distributed as dist
 
 import qcoll
 from qcoll import zero
+from qcoll.bench.cli import write_json
 from qcoll.bench.ranks import run_ranks
 from qcoll.testing import (Batches, CharTransformer, TransformerConfig, byte_llama, causal_lm_loss, stdlib_bytes,
                            train_steps)
@@ -206,8 +206,7 @@ def _rank_main(a):
     if dist.get_rank() == 0:
         print(report(out), flush=True)
         if a.json:
-            with open(a.json, "w") as f:
-                json.dump(out, f, indent=1)
+            write_json(a.json, out)
 
 
 def _ratio(x, base):

@@ -19,13 +19,13 @@ bytes per rank of one call, as ``qcoll.comm.stats`` counts them.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 import torch.distributed as dist
 
 import qcoll
+from qcoll.bench.cli import write_json
 from qcoll.bench.ranks import run_ranks
 from qcoll.comm import stats
 from qcoll.testing import Batches, CharTransformer, TransformerConfig, byte_llama, causal_lm_loss, stdlib_bytes
@@ -163,8 +163,7 @@ def _rank_main(a):
     if dist.get_rank() == 0:
         print(report(out), flush=True)
         if a.json:
-            with open(a.json, "w") as f:
-                json.dump(out, f, indent=1)
+            write_json(a.json, out)
 
 
 def main(argv=None) -> None:

@@ -36,14 +36,15 @@ def to_target(losses: list[float], samples: list[int], seconds: list[float], tar
     return None, None, None
 
 
-def run(args, mode_config: dict, topo, model) -> dict:
-    """Train ``model`` (fresh) for ``--steps`` adaptive steps; the per-step record on every rank."""
+def run(args, mode_config: dict, topo, model, units: list) -> dict:
+    """Train ``model`` (fresh, sharded with ``units``) for ``--steps`` adaptive steps; the per-step
+    record on every rank."""
     from .. import zero
     from ..comm import stats
     from ..testing import Batches, stdlib_bytes
 
     rank, world = topo.rank, topo.world_size
-    m = zero.shard(model, topo, zero.ZeroConfig(**mode_config), units=model.units())
+    m = zero.shard(model, topo, zero.ZeroConfig(**mode_config), units=units)
     opt = zero.Optimizer(m, torch.optim.AdamW, lr=args.lr, weight_decay=0.0)
     ctl = zero.AdaptiveBatch(opt, target=args.adaptive_batch, max_accumulation=args.max_accumulation,
                              window=args.similarity_window)

@@ -260,7 +260,7 @@ def _where_time_goes(phases: list[dict], blocked: list[dict]) -> dict:
 def mode_config(args, mode: str) -> dict:
     """The :class:`~qcoll.zero.ZeroConfig` fields of qcoll mode ``mode`` with the command's overrides."""
     fields = dict(MODES[mode])
-    if getattr(args, "prefetch", None) is not None:
+    if args.prefetch is not None:
         fields["prefetch"] = args.prefetch
     return fields
 
@@ -268,7 +268,7 @@ def mode_config(args, mode: str) -> dict:
 def model_units(args, model) -> list:
     """The units of ``--units``: the model's own (:meth:`CharTransformer.units`) or every Linear layer
     with the embedding and the final norm (the LayerNorms of the blocks and the positions go to the root)."""
-    if getattr(args, "units", "blocks") == "blocks":
+    if args.units == "blocks":
         return model.units()
     linears = [m for block in model.blocks for m in block.modules() if isinstance(m, torch.nn.Linear)]
     return [model.embed, *linears, model.ln_f]
@@ -374,7 +374,8 @@ def _rank_main(args) -> None:
         cli.write_json(args.json, {"command": NAME, "world": topo.world_size, "ranks_per_node": topo.ranks_per_node,
                                    "args": {k: getattr(args, k) for k in ("modes", "peer", "steps", "batch",
                                                                            "context", "d_model", "layers", "heads",
-                                                                           "lr", "seed", "prefetch", "units", "warmup", "adaptive_batch",
+                                                                           "lr", "seed", "prefetch", "units",
+                                                                           "warmup", "adaptive_batch",
                                                                            "max_accumulation", "accumulate", "similarity_window",
                                                                            "target_loss", "loss_window", "stop_at_target")},
                                    "runs": runs})
@@ -383,7 +384,8 @@ def _rank_main(args) -> None:
 
 
 def _adaptive_run(args, mode, topo) -> dict:
-    rec = adaptive.run(args, mode_config(args, mode), topo, build_model(args))
+    model = build_model(args)
+    rec = adaptive.run(args, mode_config(args, mode), topo, model, model_units(args, model))
     seconds = statistics.median(rec["seconds"][args.warmup:] or rec["seconds"])
     samples, wall, steps = adaptive.to_target(rec["losses"], rec["batches"], rec["seconds"], args.target_loss,
                                               args.loss_window)
