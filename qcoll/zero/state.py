@@ -38,9 +38,12 @@ class ZeroState:
         return {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
 
 
-def state_of(module: nn.Module) -> ZeroState:
-    """The :class:`ZeroState` of a module sharded by :func:`qcoll.zero.shard`."""
+def state_of(module: nn.Module, argument: str = "model") -> ZeroState:
+    """The :class:`ZeroState` of a module sharded by :func:`qcoll.zero.shard`; a TypeError
+    naming ``argument`` (the caller's parameter) for anything else."""
     state = module.__dict__.get(STATE_ATTR) if isinstance(module, nn.Module) else None
     if state is None:
-        raise TypeError(f"expected a module sharded by qcoll.zero.shard(...), got {type(module).__name__}")
+        hint = " (shard it first: qcoll.zero.shard(model))" if isinstance(module, nn.Module) else ""
+        raise TypeError(f"{argument} must be a module sharded by qcoll.zero.shard(...), got "
+                        f"{type(module).__name__}{hint}")
     return state
