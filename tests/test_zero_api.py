@@ -48,10 +48,9 @@ def test_from_deepspeed_maps_the_zeropp_keys():
     assert plain == zero.ZeroConfig.zero3()
 
 
-def test_from_deepspeed_hpz_size_mismatch_warns_with_both_numbers():
-    with pytest.warns(UserWarning, match=r"zero_hpz_partition_size=8.*ranks_per_node=2"):
-        c = zero.ZeroConfig.from_deepspeed({"stage": 3, "zero_hpz_partition_size": 8}, ranks_per_node=2)
-    assert c.hpz
+def test_from_deepspeed_hpz_size_mismatch_is_an_error_with_both_numbers():
+    with pytest.raises(ValueError, match=r"zero_hpz_partition_size\) is 8, .*ranks_per_node=2"):
+        zero.ZeroConfig.from_deepspeed({"stage": 3, "zero_hpz_partition_size": 8}, ranks_per_node=2)
 
 
 @pytest.mark.parametrize("cfg,exc", [({"stage": 2}, ValueError), ([], TypeError),

@@ -15,6 +15,7 @@ _COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 # DeepSpeed ``zero_optimization`` keys that qcoll understands; everything else is ignored (and named).
 _DS_KNOWN = {"stage", "zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients",
              "stage3_param_persistence_threshold", "reduce_bucket_size"}
+_ABSENT = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,10 @@ class ZeroConfig:
     first ones later (DeepSpeed's ``reduce_bucket_size``; 0, the default, reduces each group
     as soon as its gradients are ready). Each group's slice starts at a gradient block, so
     coalescing does not change the values (with deterministic rounding, without rotation).
+    ``hpz_partition_size``: the size of hpZ's secondary group that the config asks for
+    (DeepSpeed's ``zero_hpz_partition_size``; needs ``hpz``); ``None``, the default, is the
+    node. qcoll's secondary group is always the node: :meth:`check_topology` refuses any
+    other size.
 
     ``ZeroConfig(weight_bits=None, hpz=False, grad_bits=None)`` is plain ZeRO-3.
     """
@@ -69,6 +74,7 @@ class ZeroConfig:
     persist_threshold: int = 0
     hierarchical_gather: bool = True
     reduce_bucket_numel: int = 0
+    hpz_partition_size: int | None = None
 
     def __post_init__(self):
         if self.weight_bits is not None:
@@ -95,6 +101,11 @@ class ZeroConfig:
         check_int(self.prefetch, "prefetch", minimum=0)
         check_int(self.persist_threshold, "persist_threshold", minimum=0)
         check_int(self.reduce_bucket_numel, "reduce_bucket_numel", minimum=0)
+        if self.hpz_partition_size is not None:
+            check_int(self.hpz_partition_size, "hpz_partition_size", minimum=1)
+            if not self.hpz:
+                raise ValueError(f"hpz_partition_size={self.hpz_partition_size} needs hpz=True "
+                                 f"(it sizes hpZ's secondary group)")
         if self.compute_dtype not in _COMPUTE_DTYPES:
             raise TypeError(f"compute_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, "
                             f"got {self.compute_dtype!r}")
@@ -102,6 +113,18 @@ class ZeroConfig:
     @property
     def dtype(self) -> torch.dtype:
         return self.compute_dtype or torch.float32
+
+    def check_topology(self, topology) -> None:
+        """Raise ``ValueError`` when ``hpz_partition_size`` is set and is not ``topology.ranks_per_node``
+        (qcoll's hpZ secondary group is the node); :func:`qcoll.zero.shard` calls it."""
+        self._check_node(topology.ranks_per_node)
+
+    def _check_node(self, ranks_per_node: int) -> None:
+        size = self.hpz_partition_size
+        if size is not None and size != ranks_per_node:
+            raise ValueError(f"hpz_partition_size (DeepSpeed's zero_hpz_partition_size) is {size}, but a node "
+                             f"has ranks_per_node={ranks_per_node} ranks; qcoll's hpZ secondary group is the "
+                             f"node: set it to {ranks_per_node} (ranks_per_node) or drop it")
 
     @classmethod
     def zero3(cls, **overrides) -> "ZeroConfig":
@@ -112,58 +135,120 @@ class ZeroConfig:
     def from_deepspeed(cls, config: dict, ranks_per_node: int | None = None, **overrides) -> "ZeroConfig":
         """Build from a DeepSpeed config (whole, or its ``zero_optimization`` section).
 
-        ``stage`` must be 3. ``zero_quantized_weights`` -> 8-bit qwZ,
-        ``zero_quantized_gradients`` -> 4-bit qgZ, ``zero_hpz_partition_size > 1``
-        -> hpZ with the node (``ranks_per_node``) as the secondary group,
-        ``stage3_param_persistence_threshold`` -> ``persist_threshold``,
-        ``reduce_bucket_size`` (when given) -> ``reduce_bucket_numel``; a size
-        other than ``ranks_per_node`` gets a warning naming both. Keys qcoll does
-        not implement are listed in one warning and otherwise ignored.
-        ``overrides`` are further :class:`ZeroConfig` fields.
+        ``stage`` must be 3. ``zero_quantized_weights`` -> 8-bit qwZ, ``zero_quantized_gradients``
+        -> 4-bit qgZ; ``bf16.enabled`` (or DeepSpeed's older ``bfloat16.enabled``) ->
+        ``compute_dtype=torch.bfloat16``, ``fp16.enabled`` -> ``torch.float16`` (both: a
+        ``ValueError``, as in DeepSpeed). Booleans are ``True``/``False``, ``1``/``0`` (as DeepSpeed's
+        pydantic config reads them) or ``"true"``/``"false"`` in any case; anything else (``"yes"``,
+        ``1.5``, ``None``) is a ``ValueError`` naming the key and the value, never a truthiness.
+        ``zero_hpz_partition_size > 1`` -> hpZ with ``hpz_partition_size`` set to it (qcoll's
+        secondary group is the node: a size other than ``ranks_per_node`` is a ``ValueError`` here
+        when ``ranks_per_node`` is given, else in :meth:`check_topology` when sharding);
+        ``stage3_param_persistence_threshold`` -> ``persist_threshold``, ``reduce_bucket_size``
+        -> ``reduce_bucket_numel``. The sizes are whole numbers, also as floats (``5e8``) or strings
+        that parse as one (``"500000000"``, ``"5e8"``). ``"auto"`` (Hugging Face's placeholder) keeps
+        qcoll's default with a warning naming the key: for ``zero_hpz_partition_size`` hpZ with the
+        node as the group, for a boolean false (DeepSpeed drops ``"auto"`` keys). Keys qcoll does not
+        implement (``fp16.loss_scale`` ...) are listed in one warning and otherwise ignored.
+        ``overrides`` are further :class:`ZeroConfig` fields and win.
         """
         if not isinstance(config, dict):
             raise TypeError(f"config must be a dict, got {type(config).__name__}")
-        section = config.get("zero_optimization", config)
+        whole = "zero_optimization" in config
+        section = config["zero_optimization"] if whole else config
         if not isinstance(section, dict):
             raise TypeError(f"zero_optimization must be a dict, got {type(section).__name__}")
         stage = section.get("stage", 0)
         if stage != 3:
             raise ValueError(f"qcoll implements ZeRO stage 3 only; zero_optimization.stage is {stage!r}")
-        ignored = sorted(set(section) - _DS_KNOWN)
-        ignored_top = sorted(k for k in config if k != "zero_optimization") if section is not config else []
-        if ignored or ignored_top:
-            names = ", ".join([f"zero_optimization.{k}" for k in ignored] + ignored_top)
-            warnings.warn(f"qcoll ZeroConfig.from_deepspeed ignores these DeepSpeed keys: {names}", stacklevel=2)
-        hpz_size = section.get("zero_hpz_partition_size", 1)
-        check_int(hpz_size, "zero_hpz_partition_size", minimum=1)
-        if hpz_size > 1 and ranks_per_node is not None and hpz_size != ranks_per_node:
-            warnings.warn(f"zero_hpz_partition_size={hpz_size} differs from ranks_per_node={ranks_per_node}; "
-                          f"qcoll uses the node ({ranks_per_node} ranks) as the hpZ secondary group", stacklevel=2)
+        if ranks_per_node is not None:
+            check_int(ranks_per_node, "ranks_per_node", minimum=1)
+        bf16 = "bfloat16" if "bfloat16" in config and "bf16" not in config else "bf16"
+        precision = {bf16: torch.bfloat16, "fp16": torch.float16} if whole else {}
+        ignored = [f"zero_optimization.{k}" for k in sorted(set(section) - _DS_KNOWN)]
+        enabled = []
+        for key in sorted(config) if whole else []:
+            if key not in precision:
+                ignored += [key] if key != "zero_optimization" else []
+                continue
+            if not isinstance(config[key], dict):
+                raise TypeError(f"{key} must be a dict, got {type(config[key]).__name__}")
+            ignored += [f"{key}.{k}" for k in sorted(config[key]) if k != "enabled"]
+            enabled += [key] if _ds_bool(config[key], "enabled", key) else []
+        if ignored:
+            warnings.warn(f"qcoll ZeroConfig.from_deepspeed ignores these DeepSpeed keys: {', '.join(ignored)}",
+                          stacklevel=2)
+        if len(enabled) > 1:
+            raise ValueError(f"{enabled[0]}.enabled and {enabled[1]}.enabled are both true; DeepSpeed refuses "
+                             f"that too: enable one of them")
+        size = _ds_count(section, "zero_hpz_partition_size", "hpZ with the node as the group", minimum=1)
         fields = {
-            "weight_bits": 8 if section.get("zero_quantized_weights", False) else None,
-            "grad_bits": 4 if section.get("zero_quantized_gradients", False) else None,
-            "hpz": hpz_size > 1,
+            "weight_bits": 8 if _ds_bool(section, "zero_quantized_weights", "zero_optimization") else None,
+            "grad_bits": 4 if _ds_bool(section, "zero_quantized_gradients", "zero_optimization") else None,
+            "hpz": size > 1 if size is not None else "zero_hpz_partition_size" in section,
         }
+        if size is not None and size > 1:
+            fields["hpz_partition_size"] = size
+        if enabled:
+            fields["compute_dtype"] = precision[enabled[0]]
         for key, name in (("stage3_param_persistence_threshold", "persist_threshold"),
                           ("reduce_bucket_size", "reduce_bucket_numel")):
-            value = _ds_count(section, key)
+            value = _ds_count(section, key, f"{name}={getattr(cls, name)}")
             if value is not None:
                 fields[name] = value
         fields.update(overrides)
-        return cls(**fields)
+        if fields["hpz"] is False and "hpz_partition_size" not in overrides:
+            fields.pop("hpz_partition_size", None)
+        result = cls(**fields)
+        if ranks_per_node is not None:
+            result._check_node(ranks_per_node)
+        return result
 
 
-def _ds_count(section: dict, key: str) -> int | None:
-    """A DeepSpeed element count (``5e8`` or ``500000000``); None when absent or ``"auto"``
-    (Hugging Face's placeholder, filled from the model by its Trainer: qcoll keeps its default)."""
-    value = section.get(key)
-    if value is None:
+def _ds_auto(path: str, default: str) -> None:
+    warnings.warn(f"qcoll ZeroConfig.from_deepspeed: {path} is 'auto'; keeping qcoll's default, {default} "
+                  f"(set a value to choose)", stacklevel=4)
+
+
+def _ds_bool(section: dict, key: str, where: str) -> bool | None:
+    """The DeepSpeed boolean ``where.key``: ``True``/``False``, ``1``/``0`` (pydantic's reading) or
+    ``"true"``/``"false"`` in any case; ``None`` when absent or ``"auto"`` (a warning; DeepSpeed drops
+    ``"auto"`` keys: false). Anything else, including the other spellings pydantic would take
+    (``"yes"``, ``"on"``), is a ``ValueError`` naming the key and the value."""
+    value = section.get(key, _ABSENT)
+    if value is _ABSENT:
         return None
     if value == "auto":
-        warnings.warn(f"qcoll ZeroConfig.from_deepspeed: zero_optimization.{key} is 'auto'; using qcoll's "
-                      f"default (set a number to choose)", stacklevel=3)
+        _ds_auto(f"{where}.{key}", "false")
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
-        raise ValueError(f"zero_optimization.{key} must be a non-negative whole number of elements or 'auto', "
-                         f"got {value!r}")
-    return int(value)
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{where}.{key} must be true or false (a bool, 0 or 1, or the string 'true' or 'false'), "
+                     f"got {value!r}")
+
+
+def _ds_count(section: dict, key: str, auto: str, minimum: int = 0) -> int | None:
+    """The DeepSpeed count ``zero_optimization.key``: a whole number ``>= minimum``, also as a float
+    (``5e8``) or a string that parses as one (``"5e8"``, ``"500000000"``). ``None`` when absent or
+    ``"auto"`` (Hugging Face's placeholder, filled from the model by its Trainer: qcoll keeps its
+    default, named by ``auto`` in a warning). Anything else is a ``ValueError`` naming the key."""
+    value = section.get(key, _ABSENT)
+    if value is _ABSENT:
+        return None
+    if value == "auto":
+        _ds_auto(f"zero_optimization.{key}", auto)
+        return None
+    number = value
+    for parse in (int, float) if isinstance(value, str) else ():
+        try:
+            number = parse(value)
+            break
+        except ValueError:
+            pass
+    if isinstance(number, float) and number.is_integer():
+        number = int(number)
+    if isinstance(number, bool) or not isinstance(number, int) or number < minimum:
+        raise ValueError(f"zero_optimization.{key} must be a whole number >= {minimum} or 'auto', got {value!r}")
+    return number
