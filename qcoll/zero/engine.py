@@ -46,54 +46,17 @@ from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 from ..comm import similarity as sim
 from ..comm.stats import stats
 from ..quant.rng import mix32_int
+from . import user_grads
 from .flat import FlatGroup, reduce_together
 from .generation import GenerationStats
+from .outputs import output_tensors
+from .released_reads import ENGINE_ERROR_ATTR, ReleasedParameterProbe, note_released_reads
 from .units import Unit
-
-
-#: Tensor attributes a released parameter answers correctly (dtype, device...): reading them
-#: needs no gather (HF's ``model.dtype`` reads the first parameter's).
-_METADATA = {"dtype", "device", "requires_grad", "layout", "is_cuda", "is_meta", "is_sparse", "is_leaf",
-             "is_floating_point", "is_complex", "get_device"}
-
-
-def _reads_values(func) -> bool:
-    name = getattr(func, "__name__", None)
-    if name == "__get__":
-        name = getattr(getattr(func, "__self__", None), "__name__", None)
-    return name not in _METADATA
-
-
-class _ReleasedParameterProbe(TorchFunctionMode):
-    """Sees every torch op of a forward and gathers the released parameters it reads."""
-
-    def __init__(self, engine: "Engine"):
-        super().__init__()
-        self.engine = engine
-
-    @torch.compiler.disable  # dynamo compiling this frame garbled its arguments (a cold HF Llama compile)
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not self.engine.busy and _reads_values(func):  # the engine's own ops are not the model's
-            for t in tree_flatten((args, kwargs))[0]:
-                if isinstance(t, nn.Parameter) and t.numel() == 0:
-                    self.engine.use_released(t)
-        return func(*args, **kwargs)
-
-
-def _note_released_reads(error) -> None:
-    """Explain the shape errors that a read of a released parameter gives."""
-    if isinstance(error, RuntimeError) and hasattr(error, "add_note") and "qcoll" not in str(error):
-        error.add_note("qcoll.zero: if an operand above has 0 elements, the forward read a parameter of a unit "
-                       "that was not running (released outside its unit's forward). qcoll gathers such reads "
-                       "that the model's first complete forward makes; a read only later needs units= naming "
-                       "the module that reads it, or its parameter's module as part of it.")
 
 
 def _engine_hook(label: str):
@@ -107,6 +70,9 @@ def _engine_hook(label: str):
             try:
                 with record_function(label):
                     return fn(self, *args, **kwargs)
+            except Exception as error:  # not a read of a released parameter: the note must not say so
+                setattr(error, ENGINE_ERROR_ATTR, True)
+                raise
             finally:
                 self.busy = busy
 
@@ -141,8 +107,13 @@ class Engine:
         self._kept_version: dict = {}      # generation mode: group index -> master._version when kept
         self._forward_start = None         # generation mode: (inter, intra, seconds) when the forward began
         self._profile = None               # generation mode: the forward's record_function
-        self._group_of = {id(p): g for g in groups for p in g.params}
+        self._group_of = {}
+        self.param_names = {}
         self._hooks = []
+        for g in groups:
+            self.add_group(g)
+        #: called at the start of every forward: adopts parameters added since sharding
+        self.adopt_new_parameters = None
         for u in units:
             # The hooks talk to other ranks: torch.compile runs them eagerly (a graph break at each
             # unit's boundary, as FSDP2's hooks do) and compiles what lies between them.
@@ -151,20 +122,36 @@ class Engine:
             # prepended, as FSDP2's: the user's own pre-hooks (weight_norm, PEFT...) see gathered weights
             self._hooks.append(u.module.register_forward_pre_hook(pre, prepend=True))
             self._hooks.append(u.module.register_forward_hook(post))
-        for g in groups:
-            if g.trainable:
-                for p in g.params:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, g)))
         # registered last and prepended: the first of the root's pre-hooks
         self._hooks.append(root.register_forward_pre_hook(torch.compiler.disable(self._begin_forward), prepend=True,
                                                           with_kwargs=True))
         # always_call: also when the forward raised (then some units never ended: reset them)
         self._hooks.append(root.register_forward_hook(torch.compiler.disable(self._end_forward), always_call=True))
 
+    def add_group(self, g: FlatGroup) -> None:
+        """Schedule group ``g`` (``self.groups`` holds it already, or takes it now)."""
+        if g not in self.groups:
+            self.groups.append(g)
+        g.engine = self
+        for n, p in zip(g.names, g.params):
+            self._group_of[id(p)] = g
+            self.param_names[id(p)] = n
+            if p.requires_grad:  # one frozen now and trained later is reduced at the end of backward
+                self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, g)))
+
+    @property
+    def in_forward(self) -> bool:
+        """Whether a forward of the model is running."""
+        return self._in_forward
+
     # ------------------------------------------------------------------ forward
     def _begin_forward(self, module, args, kwargs):
         if self._in_forward:  # the previous forward raised where the end hook does not run (compiled)
             self._reset_forward()
+        if self.adopt_new_parameters is not None:
+            self.adopt_new_parameters()
+        for g in self.groups:  # a torch optimizer's step that raised left its shards exposed
+            user_grads.conceal(g)
         self._in_forward = True
         if self.order:
             self.last_order = self.order
@@ -172,7 +159,7 @@ class Engine:
         if self.generation is not None:
             self._begin_generation_forward()
         if not self.probed:
-            self._probe = _ReleasedParameterProbe(self)
+            self._probe = ReleasedParameterProbe(self)
             self._probe.__enter__()
         dtype = self.config.compute_dtype
         if dtype is not None:
@@ -185,7 +172,7 @@ class Engine:
         failed = bool(self.running)      # the forward raised inside a unit: the probe runs again next time
         if failed:
             self._reset_forward()
-            _note_released_reads(sys.exc_info()[1])
+            note_released_reads(sys.exc_info()[1], self.param_names)
         elif self._probe is not None:
             self.probed = True
         self._stop_probe()
@@ -253,8 +240,15 @@ class Engine:
         for g in unit.groups:
             g.end_forward_use()
         if torch.is_grad_enabled():  # frozen units too: a gradient may flow through them to earlier units
-            leaves, _ = tree_flatten(output)
-            tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+            found, opaque = output_tensors(output)
+            tensors = [t for t in found if t.requires_grad]
+            if not tensors and opaque and any(g.trainable for g in unit.groups):
+                raise TypeError(f"qcoll.zero: the forward of {unit.label} ({type(module).__name__}) returned a "
+                                f"{type(output).__name__} in which qcoll finds no tensor that requires grad (it "
+                                f"looked through containers and attributes; opaque: "
+                                f"{', '.join(sorted({t.__name__ for t in opaque}))}), so its backward could not "
+                                "gather the unit's parameters again. Return a tuple, dict or dataclass, or register "
+                                "the type as a pytree node (torch.utils._pytree.register_pytree_node)")
             if tensors:
                 hook = functools.partial(self._pre_backward, unit, self.order, len(self.order) - 1)
                 register_multi_grad_hook(tensors, hook, mode="any")
@@ -348,6 +342,7 @@ class Engine:
         for group, handle, shard in reduces:
             handle.wait()
             group.accumulate(shard)
+            user_grads.install(group)
 
     # ------------------------------------------------------------------ generation mode
     def begin_generation(self) -> GenerationStats:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import SecondaryShard, Topology, all_gather_quantized, reduce_scatter_quantized, replica_gather
+from . import user_grads
 from .config import ZeroConfig
 from .group_state import GatherState, GradState, assert_in
 
@@ -57,7 +58,6 @@ class FlatGroup:
         self.config = config
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
-        self.trainable = any(p.requires_grad for p in self.params)
         self.shapes = [p.shape for p in self.params]
         self.orig_dtypes = [p.dtype for p in self.params]
         self.numels = [p.numel() for p in self.params]
@@ -72,8 +72,11 @@ class FlatGroup:
         self.compact_shard_numel = -(-self.total // topology.world_size)
         self.local_numel = max(0, min(self.compact_shard_numel, self.total - topology.rank * self.compact_shard_numel))
         full = torch.zeros(W * self.shard_numel, dtype=torch.float32, device=self.params[0].device)
-        for p, off, n in zip(self.params, self.offsets, self.numels):
+        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
             full[off:off + n].copy_(p.detach().reshape(-1))
+            p.ds_numel, p.ds_shape = n, shape  # the full size of an empty parameter: DeepSpeed's names (PEFT reads them)
+        for i, p in enumerate(self.params):
+            setattr(p, user_grads.SLOT_ATTR, (self, i))
         if sync_module_states and topology.world_size > 1:
             dist.broadcast(full, src=0)
         S = self.shard_numel
@@ -95,6 +98,36 @@ class FlatGroup:
         self._keep_gathered = False  # GATHERING: keep a secondary shard from it
         self._forward_users = 0      # units currently running forward with this group
         self._grads_ready = 0        # parameters whose gradient this backward has accumulated
+        self.engine = None           # the Engine that schedules this group (set by it)
+        #: parameter index -> the ShardedGrad its .grad holds after a backward (qcoll.zero.user_grads)
+        self.proxies = {}
+        #: parameter index -> whether it had a gradient, while a torch optimizer steps its shard
+        self.exposed = {}
+
+    @property
+    def trainable(self) -> bool:
+        """Whether any parameter requires a gradient now (``requires_grad`` changes after
+        :func:`~qcoll.zero.shard`, e.g. PEFT freezing the base model, are honoured)."""
+        return any(p.requires_grad for p in self.params)
+
+    # ------------------------------------------------------------------ this rank's slices
+    def local_range(self, i: int) -> tuple[int, int]:
+        """``[a, b)``: where this rank's elements of parameter ``i`` lie in ``master`` (empty
+        when the parameter has none here)."""
+        start = self.topology.rank * self.shard_numel
+        off, n = self.offsets[i], self.numels[i]
+        a = min(max(off - start, 0), self.shard_numel)
+        return a, max(a, min(off + n - start, self.shard_numel))
+
+    def master_slice(self, i: int) -> torch.Tensor:
+        """This rank's elements of parameter ``i``: a 1-D fp32 view of the master shard."""
+        a, b = self.local_range(i)
+        return self.master.detach()[a:b]
+
+    def grad_slice(self, i: int) -> torch.Tensor:
+        """This rank's elements of parameter ``i``'s reduced gradient: a 1-D view of ``master.grad``."""
+        a, b = self.local_range(i)
+        return self.master.grad[a:b]
 
     # ------------------------------------------------------------------ storage
     def _alloc_storage(self) -> None:
@@ -108,6 +141,15 @@ class FlatGroup:
         self.full.untyped_storage().resize_(0)
         for p in self.params:
             p.data = self.released
+
+    def current_data(self, i: int) -> torch.Tensor:
+        """What parameter ``i``'s ``.data`` is in the group's gather state: its view of ``full``
+        while gathering or gathered, else the empty tensor."""
+        return self.released if self.gather_state is GatherState.RELEASED else self.views[i]
+
+    def master_changed(self) -> None:
+        """The master was changed from outside the group (a torch optimizer's step on its
+        slices): nothing to refresh here (a replicated group copies it again)."""
 
     def gathered_nbytes(self) -> int:
         """Bytes of full parameters this group holds now (in flight or gathered)."""
@@ -220,6 +262,7 @@ class FlatGroup:
     def hold_for_backward(self) -> None:
         """IDLE/HELD -> HELD and gathered: a unit that uses the group starts its backward."""
         assert_in(self.grad_state, (GradState.IDLE, GradState.HELD), "hold_for_backward", self.name)
+        user_grads.release(self)  # the parameters' .grad must be free for autograd to accumulate into
         self.grad_state = GradState.HELD
         self.gather_now(backward=True)
 
@@ -227,6 +270,8 @@ class FlatGroup:
         """One parameter's gradient is accumulated; True when all of them are (IDLE/HELD)."""
         assert_in(self.grad_state, (GradState.IDLE, GradState.HELD), "grad_ready", self.name)
         self._grads_ready += 1
+        # every parameter: while one is frozen, its backward may still read the group after the
+        # others' gradients are in, and the group is reduced at the end of the backward instead
         return self._grads_ready == len(self.params)
 
     def take_grads(self) -> torch.Tensor:
@@ -234,6 +279,7 @@ class FlatGroup:
         buffer of the group's layout (zeros where a parameter has none), drop them, drop the
         secondary shard and reshard. Returns the buffer for :func:`reduce_together`."""
         assert_in(self.grad_state, (GradState.IDLE, GradState.HELD), "take_grads", self.name)
+        user_grads.release(self)
         flat = torch.zeros(self.topology.world_size * self.shard_numel, dtype=torch.float32, device=self.master.device)
         for p, off, n in zip(self.params, self.offsets, self.numels):
             if p.grad is not None:
@@ -265,6 +311,7 @@ class FlatGroup:
     def drop_param_grads(self) -> None:
         for p in self.params:
             p.grad = None
+        self.proxies.clear()
 
     def end_backward(self) -> None:
         """Any grad state -> IDLE: the backward ended (its reductions are waited for); drop

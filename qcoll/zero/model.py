@@ -16,11 +16,13 @@ from torch import nn
 
 from ..comm import Topology
 from ..comm.topology import current_topology
+from . import late_params
 from .config import ZeroConfig
 from .engine import Engine
 from .flat import FlatGroup
 from .replicated import ReplicatedGroup
 from .state import MANAGED_ATTR, STATE_ATTR, ZeroState, state_of
+from .torch_optim import install_hooks
 from .units import build_units
 
 
@@ -99,6 +101,37 @@ class ZeroModule(nn.Module):
         raise TypeError(f"a {type(self).__name__} sharded by qcoll.zero.shard cannot be deep-copied (its "
                         "parameters live as shards across ranks); copy the plain model before sharding, or "
                         "load model.state_dict() into a new one")
+
+    def _apply(self, fn, recurse: bool = True):
+        """Conversions that would change a parameter's or buffer's dtype or device (``.to(dtype)``,
+        ``.half()``, ``.bfloat16()``, ``.double()``, ``.to(device)``) are refused with a TypeError:
+        the parameters live as fp32 master shards, and the forward's dtype is
+        ``ZeroConfig(compute_dtype=...)``. Conversions that change nothing (``.float()`` of an fp32
+        model, ``.to`` its own device) are allowed and do nothing."""
+        changes = []
+        tensors = [(name, dtype, g.master.device) for g in state_of(self).groups
+                   for name, dtype in zip(g.names, g.orig_dtypes)]
+        tensors += [(name, b.dtype, b.device) for name, b in self.named_buffers()]
+        for name, dtype, device in tensors:
+            out = fn(torch.empty(0, dtype=dtype, device=device))
+            if out.dtype != dtype or out.device != device:
+                changes.append(f"{name!r} from {dtype}/{device} to {out.dtype}/{out.device}")
+        if changes:
+            raise TypeError(f"qcoll.zero: this conversion would change {changes[0]}"
+                            f"{f' (and {len(changes) - 1} more)' if len(changes) > 1 else ''} after sharding; a "
+                            "sharded model keeps fp32 master shards and computes in the dtype of "
+                            "ZeroConfig(compute_dtype=...): pass ZeroConfig(compute_dtype=torch.bfloat16) (or float16) "
+                            "to qcoll.zero.shard, and convert or move the model before sharding it")
+        return self
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """The number of parameters, each sharded parameter counted whole (as Hugging Face's
+        ``PreTrainedModel.num_parameters``, which this replaces on a sharded model)."""
+        skip = set()
+        if exclude_embeddings:
+            skip = {f"{name}.weight" for name, m in self.named_modules() if isinstance(m, nn.Embedding)}
+        return sum(getattr(p, "ds_numel", p.numel()) for name, p in self.named_parameters()
+                   if name not in skip and (p.requires_grad or not only_trainable))
 
     def __reduce_ex__(self, protocol):
         raise TypeError(f"a {type(self).__name__} sharded by qcoll.zero.shard cannot be pickled; save "
@@ -224,7 +257,10 @@ def _build_state(model: nn.Module, topology: Topology, config: ZeroConfig, units
             add(ReplicatedGroup, name, params)
     for u in unit_list:
         u.groups = list(dict.fromkeys(group_of[id(p)] for p in u.used))
-    return ZeroState(topology, config, unit_list, groups, Engine(model, unit_list, groups, config))
+    state = ZeroState(topology, config, unit_list, groups, Engine(model, unit_list, groups, config))
+    late_params.install(model, state)
+    state.engine.adopt_new_parameters = state.adopt_new_parameters
+    return state
 
 
 def shard(model: nn.Module, topology: Topology | None = None, config: ZeroConfig | None = None, units=None,
@@ -262,8 +298,10 @@ def shard(model: nn.Module, topology: Topology | None = None, config: ZeroConfig
         topology = current_topology() or Topology()
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be a qcoll Topology, got {type(topology).__name__}")
+    config.check_topology(topology)
     if not any(True for _ in model.parameters()):
         raise ValueError("model has no parameters to shard")
+    install_hooks()
     state = _build_state(model, topology, config, units, sync_module_states)
     model.__class__ = _zero_class(type(model))
     model.__dict__[STATE_ATTR] = state

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import user_grads
 from .state import state_of
 
 
@@ -63,10 +64,16 @@ class Optimizer(torch.optim.Optimizer):
     ``step()`` checks every rank's gradients for NaN/Inf (one all-reduce); if any is
     non-finite it skips the update, clears the gradients, counts it in
     ``skipped_steps``, sets ``last_step_skipped`` and returns False.
+
+    ``requires_grad`` is read at each step: a parameter frozen after sharding (PEFT freezing the
+    base model, a layer frozen by hand) keeps its exact values even when it shares a shard with
+    trained ones (weight decay included), and a parameter that requires grad but whose shard is
+    not stepped by this optimizer (frozen, or added to the model, when it was built) is a
+    ValueError naming it: build the optimizer after such changes.
     """
 
     def __init__(self, model, optimizer_class, loss_scaler: LossScaler | None = None, **kwargs):
-        state_of(model)  # a TypeError unless qcoll.zero.shard(...) sharded it
+        state_of(model).adopt_new_parameters()  # a TypeError unless qcoll.zero.shard(...) sharded it
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
@@ -122,7 +129,8 @@ class Optimizer(torch.optim.Optimizer):
         (True otherwise, where torch's optimizers return the closure's loss)."""
         if closure is not None:
             raise ValueError("closure is not supported by qcoll.zero.Optimizer")
-        state_of(self.model).engine.wait_reduces()
+        groups = self._synced_groups()
+        self._check_trainable(groups)
         found_inf = self._found_inf()
         applied = self.loss_scaler.value if self.loss_scaler is not None else None
         if self.loss_scaler is not None:
@@ -136,9 +144,37 @@ class Optimizer(torch.optim.Optimizer):
             for m in self.masters:
                 if m.grad is not None:
                     m.grad.div_(applied)
+        frozen = [g.master_slice(i) for g in groups if id(g.master) in self._stepped
+                  for i, p in enumerate(g.params) if not p.requires_grad]
+        kept = [f.clone() for f in frozen]
         inner_step = type(self.optimizer).step
         getattr(inner_step, "__wrapped__", inner_step)(self.optimizer)  # unhooked: the hooks ran around this step
+        with torch.no_grad():
+            for f, k in zip(frozen, kept):  # weight decay and momentum must not move a frozen parameter
+                f.copy_(k)
         return True
+
+    @property
+    def _stepped(self) -> set:
+        return {id(m) for m in self.masters}
+
+    def _synced_groups(self) -> list:
+        """The model's groups, their reductions waited for and the user's ``.grad = None`` taken."""
+        state = state_of(self.model)
+        state.engine.wait_reduces()
+        for g in state.groups:
+            user_grads.sync(g)
+        return state.groups
+
+    def _check_trainable(self, groups) -> None:
+        stepped = self._stepped
+        for g in groups:
+            if g.trainable and id(g.master) not in stepped:
+                names = [n for n, p in zip(g.names, g.params) if p.requires_grad]
+                raise ValueError(f"qcoll.zero.Optimizer: parameter(s) {', '.join(map(repr, names[:3]))}"
+                                 f"{' ...' if len(names) > 3 else ''} require grad, but were frozen or not part of "
+                                 "the model when this Optimizer was built, so no step would change them; build the "
+                                 "Optimizer after changing requires_grad or adding parameters (e.g. PEFT)")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for m in self.masters:
@@ -151,9 +187,8 @@ class Optimizer(torch.optim.Optimizer):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (over all shards of all ranks) to ``max_norm``."""
-        state_of(self.model).engine.wait_reduces()
+        replicated = {id(g.master) for g in self._synced_groups() if g.replicated}
         sq = torch.zeros(1, dtype=torch.float64)
-        replicated = {id(g.master) for g in state_of(self.model).groups if g.replicated}
         world = dist.get_world_size()
         for m in self.masters:
             if m.grad is not None:  # a replicated master's gradient is on every rank: count it once

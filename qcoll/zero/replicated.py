@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.stats import stats
+from . import user_grads
 from .flat import FlatGroup
 from .group_state import GatherState, GradState, assert_in
 
@@ -66,6 +67,10 @@ class ReplicatedGroup(FlatGroup):
     def reshard(self) -> None:
         """Kept: a replicated group is never released."""
 
+    def master_changed(self) -> None:
+        """Copy the changed master into the parameters."""
+        self.unshard(backward=False)
+
     def hold_for_backward(self) -> None:
         """As :meth:`FlatGroup.hold_for_backward`; a unit whose backward starts after the group's
         all-reduce (its parameters span units) finds it gathered and needs nothing."""
@@ -77,6 +82,7 @@ class ReplicatedGroup(FlatGroup):
         """IDLE/HELD -> REDUCING: flatten the gradients and start their average over the world
         (unquantized all-reduce). Returns ``(handle, grad)`` as :meth:`FlatGroup.reduce_grads`."""
         assert_in(self.grad_state, (GradState.IDLE, GradState.HELD), "reduce_grads", self.name)
+        user_grads.release(self)
         flat = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.master.device)
         for p, off, n in zip(self.params, self.offsets, self.numels):
             if p.grad is not None:
@@ -103,6 +109,10 @@ class ReplicatedGroup(FlatGroup):
 
     def local_param_numel(self) -> int:
         return self.total
+
+    def local_range(self, i: int) -> tuple[int, int]:
+        """Every rank holds all of parameter ``i``."""
+        return self.offsets[i], self.offsets[i] + self.numels[i]
 
     def compact_shard(self, local: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the compact layout (a view: every rank holds all of it)."""

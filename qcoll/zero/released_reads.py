@@ -1,0 +1,86 @@
+"""Reads of released parameters inside a forward: gathered on the spot while probing, named
+precisely when they make the forward fail.
+
+A forward that reads a parameter of a unit other than the ones running (a parent computing
+``h @ self.emb.weight.T``) finds it released (empty). During the model's first forward the
+:class:`ReleasedParameterProbe` (a ``TorchFunctionMode``) sees every op's arguments and has the
+engine gather such a parameter's group on the spot. A read that only a later forward makes
+fails with a shape error; :func:`note_released_reads` then names the released parameters that the
+failing frames hold, and adds nothing when none does (a transport error from a dead peer, or an
+error of the engine's own collectives, is not explained as a released read).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+#: Tensor attributes a released parameter answers correctly (dtype, device...): reading them
+#: needs no gather (HF's ``model.dtype`` reads the first parameter's).
+_METADATA = {"dtype", "device", "requires_grad", "layout", "is_cuda", "is_meta", "is_sparse", "is_leaf",
+             "is_floating_point", "is_complex", "get_device"}
+#: Set on an exception that left the engine's own hooks (its collectives, its checks).
+ENGINE_ERROR_ATTR = "_qcoll_engine_error"
+
+
+def _reads_values(func) -> bool:
+    name = getattr(func, "__name__", None)
+    if name == "__get__":
+        name = getattr(getattr(func, "__self__", None), "__name__", None)
+    return name not in _METADATA
+
+
+class ReleasedParameterProbe(TorchFunctionMode):
+    """Sees every torch op of a forward and gathers the released parameters it reads."""
+
+    def __init__(self, engine):
+        super().__init__()
+        self.engine = engine
+
+    @torch.compiler.disable  # dynamo compiling this frame garbled its arguments (a cold HF Llama compile)
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.engine.busy and _reads_values(func):  # the engine's own ops are not the model's
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, nn.Parameter) and t.numel() == 0:
+                    self.engine.use_released(t)
+        return func(*args, **kwargs)
+
+
+def _released_in_frames(tb, names: dict) -> list[str]:
+    """The names of released managed parameters that the traceback's frames hold as locals
+    (directly, or as the direct parameters of a module local such as ``self``)."""
+    found = []
+
+    def visit(p):
+        name = names.get(id(p))
+        if name is not None and p.numel() == 0 and name not in found:
+            found.append(name)
+
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            if isinstance(value, nn.Parameter):
+                visit(value)
+            elif isinstance(value, nn.Module):
+                for p in value._parameters.values():
+                    if p is not None:
+                        visit(p)
+        tb = tb.tb_next
+    return found
+
+
+def note_released_reads(error, names: dict) -> None:
+    """Add a note to ``error`` naming the released parameters the failing frames read
+    (``names``: ``id(parameter) -> qualified name``); nothing when none did."""
+    if not isinstance(error, Exception) or not hasattr(error, "add_note") or getattr(error, ENGINE_ERROR_ATTR, False):
+        return
+    if isinstance(error, torch.distributed.DistError):
+        return
+    found = _released_in_frames(error.__traceback__, names)
+    if found:
+        listed = ", ".join(repr(n) for n in found[:5]) + (" ..." if len(found) > 5 else "")
+        error.add_note(f"qcoll.zero: the forward read parameter(s) {listed} while released (empty: their unit was "
+                       "not running). qcoll gathers such reads that the model's first complete forward makes; a "
+                       "read that only a later forward makes needs units= naming the module that reads it, or its "
+                       "parameter's module as part of it.")
