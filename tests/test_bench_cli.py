@@ -242,6 +242,7 @@ ARG_ERRORS = [
     (["--nproc", "4", "--min", "8"], "one fp32 element per rank"),
     (["--warmup", "-1"], "must be >= 0"),
     (["--json", "/nonexistent/dir/x.json"], "does not exist"),
+    (["--json", "/"], "is a folder"),
 ]
 
 

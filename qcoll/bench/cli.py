@@ -22,8 +22,9 @@ import argparse
 import importlib
 import json
 import os
+import secrets
 import sys
-import tempfile
+from typing import BinaryIO, Callable
 
 SUBCOMMANDS = ("collectives", "train", "cluster", "tune", "generate")
 
@@ -91,34 +92,79 @@ def check_common(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     if world % args.ranks_per_node:
         parser.error(f"--nproc {world} is not divisible by --ranks-per-node {args.ranks_per_node}")
     args.world = world
-    for opt in ("json", "plot"):
-        path = getattr(args, opt)
-        if path is not None:
-            folder = os.path.dirname(os.path.abspath(path))
-            if not os.path.isdir(folder):
-                parser.error(f"--{opt} {path}: folder {folder} does not exist")
+    check_outputs(parser, args)
+    return world
+
+
+def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``parser.error`` unless ``--json`` and ``--plot`` (where given) can be written: see :func:`check_output`;
+    ``--plot`` also needs matplotlib and a file type it writes. Call it before anything is measured."""
+    check_output(parser, "--json", args.json)
+    check_output(parser, "--plot", args.plot)
     if args.plot is not None:
         from . import plot
 
         problem = plot.check(args.plot)
         if problem:
             parser.error(problem)
-    return world
+
+
+def check_output(parser: argparse.ArgumentParser, option: str, path: str | None) -> None:
+    """``parser.error`` (a one-line message naming ``option`` and ``path``) unless :func:`write_atomic` can
+    write ``path``: its folder exists and takes a new file (tried: a temporary file is created and removed),
+    and ``path`` is not a folder. A symlink at ``path`` is fine: it is replaced, never followed. Nothing
+    is left behind; ``path`` itself is not touched."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        what = "is not a folder" if os.path.lexists(folder) else "does not exist"
+        parser.error(f"{option} {path}: folder {folder} {what}")
+    if os.path.isdir(path) and not os.path.islink(path):
+        parser.error(f"{option} {path}: is a folder, not a file")
+    try:
+        fd, tmp = _create_temp(folder)
+    except OSError as e:
+        parser.error(f"{option} {path}: cannot create a file in folder {folder} ({e.strerror or e})")
+    os.close(fd)
+    os.unlink(tmp)
 
 
 def write_json(path: str, doc: dict) -> None:
-    """Write ``doc`` to ``path`` atomically (an interrupted run never leaves half a file)."""
+    """Write ``doc`` as indented JSON to ``path`` through :func:`write_atomic`."""
+    write_atomic(path, lambda f: f.write((json.dumps(doc, indent=1) + "\n").encode()))
+
+
+def write_atomic(path: str, write: Callable[[BinaryIO], object]) -> None:
+    """Call ``write`` on a new binary file in ``path``'s folder, then rename that file onto ``path``.
+
+    An interrupted run never leaves half a file at ``path`` (the temporary file is removed when
+    ``write`` raises), and a symlink at ``path`` is replaced by the new file, never followed (its
+    target is untouched): ``os.replace`` renames onto the link itself. The temporary file is created
+    exclusively (``O_EXCL``, ``O_NOFOLLOW``) under a random name, with the permissions a plain
+    ``open(path, "w")`` would give (``0o666`` less the umask).
+    """
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".qcoll-bench-", suffix=".json", dir=folder)
+    fd, tmp = _create_temp(folder)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
+        with os.fdopen(fd, "wb") as f:
+            write(f)
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _create_temp(folder: str) -> tuple[int, str]:
+    """``(fd, path)`` of a new empty file ``.qcoll-bench-<random>.tmp`` in ``folder``, created exclusively."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        tmp = os.path.join(folder, f".qcoll-bench-{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:   # a name already taken: draw another
+            continue
 
 
 def build_parser() -> argparse.ArgumentParser:

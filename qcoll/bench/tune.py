@@ -5,7 +5,9 @@ Three ways to run:
   is measured on the ranks (``--steps`` steps of the char transformer, the median step time after
   ``--warmup``); the best feasible one is printed as a ``ZeroConfig(...)`` line and as DeepSpeed
   ``zero_optimization`` JSON where it maps;
-- ``--record FILE``: every configuration of the space is measured once into a table (JSON);
+- ``--record FILE``: every configuration of the space is measured once into a table (JSON; its folder
+  is checked before the first measurement, the file replaced atomically, a symlink there replaced,
+  never followed; the same for ``--json`` and ``--plot``);
 - ``--replay FILE``: every tuner in ``--tuners`` runs against a recorded table for ``--seeds``
   seeds (no ranks, seconds): the median number of trials to reach a configuration within 5%
   of the table's best.
@@ -16,6 +18,7 @@ Works inside ``qcoll-bench cluster`` (live and ``--record``).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -65,6 +68,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--record and --replay exclude each other")
     if args.replay:
         return _replay(args, parser)
+    cli.check_output(parser, "--record", args.record)   # before the 24 measurements, not after them
     world = cli.check_common(parser, args)
     train.check_model_options(parser, args, world)
     if args.warmup >= args.steps - 2:
@@ -121,7 +125,7 @@ def _rank_main(args) -> None:
                 measure(sp.config(point))
                 pbar.update(1)
         if topo.rank == 0:
-            tune.Table(sp, measured).save(args.record)
+            cli.write_json(args.record, table_doc(tune.Table(sp, measured)))
             if args.json:
                 cli.write_json(args.json, {"command": NAME, "record": args.record, "reference_loss": reference_loss,
                                            "rows": [{"config": sp.config(p), "step_time_s": c, "feasible": f}
@@ -177,12 +181,7 @@ def _report_best(sp, tuner, losses, args, default, reference_loss) -> None:
 def _replay(args, parser) -> int:
     from .. import tune
 
-    if args.plot is not None:
-        from . import plot
-
-        problem = plot.check(args.plot)
-        if problem:
-            parser.error(problem)
+    cli.check_outputs(parser, args)
     if len(args.replay) > 2:
         parser.error(f"--replay takes one table, or two for a workload change, got {len(args.replay)}")
     tables = []
@@ -210,6 +209,13 @@ def _replay(args, parser) -> int:
     return 0
 
 
+def table_doc(table) -> dict:
+    """``table`` (a :class:`qcoll.tune.Table`) as the JSON document ``Table.save`` writes and
+    ``Table.load`` reads, for :func:`qcoll.bench.cli.write_json` (atomic, never through a symlink)."""
+    return {"knobs": [{"name": k.name, "values": list(k.values)} for k in table.space.knobs],
+            "rows": [{"point": list(p), "cost": c, "feasible": f} for p, (c, f) in table.costs.items()]}
+
+
 def _plot(curves: dict, path: str, title: str) -> None:
     """Best-so-far step time against trials, one line per tuner."""
     from matplotlib.figure import Figure  # headless
@@ -223,4 +229,5 @@ def _plot(curves: dict, path: str, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.savefig(path, dpi=120)
+    fmt = os.path.splitext(path)[1].lstrip(".").lower()   # plot.check accepted it
+    cli.write_atomic(path, lambda f: fig.savefig(f, format=fmt, dpi=120))
