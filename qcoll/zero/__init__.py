@@ -9,6 +9,7 @@
 """
 from .adaptive import AdaptiveBatch
 from .config import ZeroConfig
+from .entry import register_forward_method
 from .export import export_quantized
 from .generation import GenerationStats
 from .memory import memory_report
@@ -16,7 +17,8 @@ from .model import ShardedModel, ZeroModule, shard
 from .optimizer import LossScaler, Optimizer
 from .state import ZeroState, state_of
 
-__all__ = ["AdaptiveBatch", "export_quantized", "GenerationStats", "shard", "ZeroModule", "ShardedModel", "ZeroState", "state_of", "ZeroConfig", "Optimizer", "LossScaler", "save", "load", "memory_report"]
+__all__ = ["AdaptiveBatch", "export_quantized", "GenerationStats", "shard", "ZeroModule", "ShardedModel", "ZeroState", "state_of", "ZeroConfig", "Optimizer", "LossScaler", "save", "load", "memory_report",
+           "register_forward_method"]
 
 
 def save(checkpoint_dir, model, optimizer=None, adaptive=None) -> None:

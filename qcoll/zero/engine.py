@@ -54,6 +54,7 @@ from ..quant.rng import mix32_int
 from . import user_grads
 from .flat import FlatGroup, reduce_together
 from .generation import GenerationStats
+from .entry import register_entries
 from .outputs import output_tensors
 from .released_reads import ENGINE_ERROR_ATTR, ReleasedParameterProbe, note_released_reads
 from .units import Unit
@@ -114,6 +115,7 @@ class Engine:
             self.add_group(g)
         #: called at the start of every forward: adopts parameters added since sharding
         self.adopt_new_parameters = None
+        self.entry = None                  # the module whose call outside the model's forward began this one
         for u in units:
             # The hooks talk to other ranks: torch.compile runs them eagerly (a graph break at each
             # unit's boundary, as FSDP2's hooks do) and compiles what lies between them.
@@ -127,6 +129,7 @@ class Engine:
                                                           with_kwargs=True))
         # always_call: also when the forward raised (then some units never ended: reset them)
         self._hooks.append(root.register_forward_hook(torch.compiler.disable(self._end_forward), always_call=True))
+        self._hooks += register_entries(self, root, units)
 
     def add_group(self, g: FlatGroup) -> None:
         """Schedule group ``g`` (``self.groups`` holds it already, or takes it now)."""
@@ -173,7 +176,7 @@ class Engine:
         if failed:
             self._reset_forward()
             note_released_reads(sys.exc_info()[1], self.param_names)
-        elif self._probe is not None:
+        elif self._probe is not None and self.entry is None:  # a forward of the whole model, probed
             self.probed = True
         self._stop_probe()
         self._in_forward = False
@@ -182,6 +185,26 @@ class Engine:
         if self.generation is not None:
             self._end_generation_forward()
         return output
+
+    @torch.compiler.disable
+    def begin_entry(self, module: nn.Module, args, kwargs):
+        """``module`` (below the root) is called outside the model's forward: begin a forward of
+        its own, with the root unit gathered (:mod:`qcoll.zero.entry`). Returns what
+        :meth:`_begin_forward` returns (the arguments cast to the compute dtype, or None)."""
+        cast = self._begin_forward(module, args, kwargs)
+        self.entry = module
+        self._pre_forward(self.units[0], module, args)
+        return cast
+
+    @torch.compiler.disable
+    def end_entry(self, module: nn.Module, args, output) -> None:
+        """The call that :meth:`begin_entry` began returned (or raised): end its forward."""
+        try:
+            if sys.exc_info()[0] is None:
+                self._post_forward(self.units[0], module, args, output)
+            self._end_forward(module, args, output)
+        finally:
+            self.entry = None
 
     def _stop_probe(self) -> None:
         if self._probe is not None:
