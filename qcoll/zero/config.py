@@ -57,6 +57,12 @@ class ZeroConfig:
     node. qcoll's secondary group is always the node: :meth:`check_topology` refuses any
     other size.
 
+    ``broadcast_buffers``: rank 0's persistent buffers (BatchNorm's running statistics) are
+    broadcast before the first forward after a training forward, so that every forward computes
+    with the same ones on every rank (as DDP's ``broadcast_buffers``, default True;
+    :mod:`qcoll.zero.buffers`). With False each rank keeps its own; ``state_dict()`` returns
+    rank 0's either way.
+
     ``ZeroConfig(weight_bits=None, hpz=False, grad_bits=None)`` is plain ZeRO-3.
     """
 
@@ -75,6 +81,7 @@ class ZeroConfig:
     hierarchical_gather: bool = True
     reduce_bucket_numel: int = 0
     hpz_partition_size: int | None = None
+    broadcast_buffers: bool = True
 
     def __post_init__(self):
         if self.weight_bits is not None:
@@ -96,7 +103,7 @@ class ZeroConfig:
             raise ValueError("grad_hadamard=True needs quantized gradients (grad_bits is None)")
         fmt.check_block_size(self.weight_block, "weight_block")
         fmt.check_block_size(self.grad_block, "grad_block")
-        for name in ("hpz", "stochastic_grad_rounding", "grad_hadamard", "hierarchical_gather"):
+        for name in ("hpz", "stochastic_grad_rounding", "grad_hadamard", "hierarchical_gather", "broadcast_buffers"):
             check_bool(getattr(self, name), name)
         check_int(self.prefetch, "prefetch", minimum=0)
         check_int(self.persist_threshold, "persist_threshold", minimum=0)

@@ -54,6 +54,7 @@ from ..quant.rng import mix32_int
 from . import user_grads
 from .flat import FlatGroup, reduce_together
 from .generation import GenerationStats
+from .buffers import broadcast_from_rank0, persistent_buffers
 from .entry import register_entries
 from .outputs import output_tensors
 from .released_reads import ENGINE_ERROR_ATTR, ReleasedParameterProbe, note_released_reads
@@ -116,6 +117,8 @@ class Engine:
         #: called at the start of every forward: adopts parameters added since sharding
         self.adopt_new_parameters = None
         self.entry = None                  # the module whose call outside the model's forward began this one
+        self.root = root
+        self._buffers_stale = False        # a training forward changed the buffers since the last broadcast
         for u in units:
             # The hooks talk to other ranks: torch.compile runs them eagerly (a graph break at each
             # unit's boundary, as FSDP2's hooks do) and compiles what lies between them.
@@ -155,6 +158,9 @@ class Engine:
             self.adopt_new_parameters()
         for g in self.groups:  # a torch optimizer's step that raised left its shards exposed
             user_grads.conceal(g)
+        if self._buffers_stale:  # before this forward saves any of them for its backward
+            self._buffers_stale = False
+            broadcast_from_rank0(persistent_buffers(self.root))
         self._in_forward = True
         if self.order:
             self.last_order = self.order
@@ -182,6 +188,8 @@ class Engine:
         self._in_forward = False
         for g in self.groups:
             g.reshard()
+        if not failed and self.config.broadcast_buffers and module.training and torch.is_grad_enabled():
+            self._buffers_stale = True  # this forward updated each rank's buffers from its own batch
         if self.generation is not None:
             self._end_generation_forward()
         return output

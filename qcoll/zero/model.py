@@ -17,6 +17,7 @@ from torch import nn
 from ..comm import Topology
 from ..comm.topology import current_topology
 from . import late_params
+from .buffers import broadcast_from_rank0
 from .config import ZeroConfig
 from .engine import Engine
 from .flat import FlatGroup
@@ -145,7 +146,8 @@ class ZeroModule(nn.Module):
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The full (unsharded) state dict of the original model, parameters in their
         original dtype, on every rank (a collective over the world). Tied parameters
-        stay one tensor under each of their keys."""
+        stay one tensor under each of their keys. Buffers are rank 0's on every rank (copies;
+        with ``keep_vars=True`` each rank's own)."""
         if args:  # torch's deprecated positional form: (destination, prefix, keep_vars)
             destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)[len(args):])
         state = state_of(self)
@@ -156,10 +158,14 @@ class ZeroModule(nn.Module):
                 values[id(p)] = full[off:off + n].view(shape).to(dtype, copy=True)
             del full
         out = {} if destination is None else destination
+        copies = []
         for key, value in self._plain_state_dict().items():
             if id(value) not in values:
                 values[id(value)] = value if keep_vars else value.detach().clone()
+                if not keep_vars:
+                    copies.append(values[id(value)])
             out[prefix + key] = values[id(value)]
+        broadcast_from_rank0(copies)
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
