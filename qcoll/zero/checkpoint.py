@@ -12,16 +12,28 @@ bit-identically.
 A save replaces its directory atomically (:mod:`qcoll.zero.atomic_dir`): the ranks write
 into a fresh sibling directory and rank 0 moves it into place once all have written, so a
 crash at any point leaves the previous checkpoint or the new one, never a mix.
+
+No code from a checkpoint directory runs on :func:`load` (:mod:`qcoll.zero.checkpoint_safety`):
+``.metadata`` is unpickled resolving only DCP's metadata classes, every entry must be a tensor
+(the optimizer's hyper-parameters and each group's parameter names and shapes, ``model.layout``,
+are JSON text in uint8 tensors), and tensors are read with ``torch.load(weights_only=True)``.
+A load is strict: a checkpoint whose keys, sizes, parameter names or shapes differ from the
+model's (and optimizer's) raises a ValueError listing the differences, on every rank, before any
+tensor is changed. A DCP failure on some rank raises one exception naming that rank's error.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from . import atomic_dir
+from .checkpoint_safety import (SafeReader, decode_param_groups, differences, encode_param_groups, from_json_tensor,
+                                json_tensor, layout_differences, read_metadata, summarize)
+from .checkpoint_safety import upgrade_checkpoint  # noqa: F401  (the earlier format's converter)
 from .rank0 import on_rank0
 from .state import state_of
 from .optimizer import Optimizer
@@ -53,11 +65,16 @@ def _model_state(model) -> dict:
     return state
 
 
+def _layout(model) -> dict:
+    """Each group's parameter names and shapes, in layout order (``model.layout`` in a checkpoint)."""
+    return {g.name: [[n, list(s)] for n, s in zip(g.names, g.shapes)] for g in state_of(model).groups}
+
+
 def _ensure_optimizer_state(opt: Optimizer) -> bool:
     """Create the inner optimizer's lazily made state with a zero-lr step on zero gradients;
     True when it did (a save then drops it again: the first real step must start fresh)."""
     inner = opt.optimizer
-    if inner.state:
+    if any(inner.state.get(m) for m in opt.masters):  # (a defaultdict may hold empty entries: no state yet)
         return False
     saved_lr = []
     for pg in inner.param_groups:
@@ -82,7 +99,8 @@ def _ensure_optimizer_state(opt: Optimizer) -> bool:
     return True
 
 
-def _optimizer_state(opt: Optimizer) -> dict:
+def _optimizer_state(opt: Optimizer, scaler: bool = True) -> dict:
+    """The optimizer's tensors (the hyper-parameters are saved apart, as JSON: see :func:`save`)."""
     groups = {id(g.master): g for g in state_of(opt.model).groups}
     state = {}
     for m in opt.masters:
@@ -94,9 +112,8 @@ def _optimizer_state(opt: Optimizer) -> dict:
                 state[f"{g.name}.{k}"] = v
             else:
                 state[f"{g.name}.{k}"] = torch.tensor(v, dtype=torch.float64)
-    hparams = [{k: v for k, v in pg.items() if k != "params"} for pg in opt.optimizer.param_groups]
-    out = {"state": state, "param_groups": hparams, "skipped_steps": torch.tensor(opt.skipped_steps)}
-    if opt.loss_scaler is not None:
+    out = {"state": state, "skipped_steps": torch.tensor(opt.skipped_steps)}
+    if opt.loss_scaler is not None and scaler:
         out["loss_scaler"] = torch.tensor([opt.loss_scaler.value, opt.loss_scaler._clean], dtype=torch.float64)
     return out
 
@@ -146,6 +163,12 @@ def save(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
     nodes) and the parent directory must be writable. An existing ``checkpoint_dir`` that is not
     empty and not a checkpoint is refused with a ValueError, untouched. One save at a time per
     directory.
+
+    Only tensors are stored: the optimizer's hyper-parameters as JSON (None, bool, int, float,
+    str, tuples, lists, str-keyed dicts, real tensors; anything else is a TypeError naming it).
+    A failure inside ``torch.distributed.checkpoint`` on some rank raises, on every rank, a
+    :class:`~qcoll.zero.checkpoint_safety.CheckpointOSError` (an OSError, e.g. ENOSPC) or a
+    :class:`~qcoll.zero.checkpoint_safety.CheckpointError` naming that rank's error.
     """
     _check(model, optimizer, adaptive)
     path = atomic_dir.checkpoint_path(checkpoint_dir)
@@ -153,13 +176,17 @@ def save(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
     tmp = on_rank0(atomic_dir.prepare_save, path)
     try:
         state = {"model": _model_state(model), "engine": {"micro_step": torch.tensor(state_of(model).engine.micro_step)}}
+        state["model"]["layout"] = json_tensor({"groups": _layout(model)})
         created = optimizer is not None and _ensure_optimizer_state(optimizer)
         if optimizer is not None:
             state["optim"] = _optimizer_state(optimizer)
+            state["optim"]["param_groups"] = encode_param_groups(optimizer.optimizer.param_groups)
         if adaptive is not None:
             state["adaptive"] = _adaptive_state(adaptive)
         try:
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, overwrite=False))
+        except CheckpointException as e:
+            raise summarize(e, "qcoll.zero.save") from e
         finally:
             if created:  # saving must not change training: the first real step starts from no state
                 optimizer.optimizer.state.clear()
@@ -178,18 +205,35 @@ def load(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
 
     FileNotFoundError when ``checkpoint_dir`` does not exist or holds no checkpoint (on every
     rank). If a save was cut short at the one point where ``checkpoint_dir`` is missing (the
-    fallback without an atomic exchange), the previous checkpoint is restored and loaded."""
+    fallback without an atomic exchange), the previous checkpoint is restored and loaded.
+
+    Nothing from the directory is executed: a ``.metadata`` naming any global but DCP's metadata
+    classes, or any non-tensor entry, is refused with an
+    :class:`~qcoll.zero.checkpoint_safety.UnsafeCheckpointError` (a ValueError) naming the file and
+    the global or key; a checkpoint of the earlier format (pickled hyper-parameters) is refused
+    likewise, with the converter to run (:func:`upgrade_checkpoint`). Strict: missing or unexpected
+    keys, size mismatches, and (in checkpoints that record them) other parameter names or shapes
+    in a group raise a ValueError listing them before any tensor is changed. A failure while
+    reading (a truncated or missing data file) raises a ``CheckpointError`` or ``CheckpointOSError``
+    naming the rank and the file; the model may then be partly loaded: load again."""
     _check(model, optimizer, adaptive)
     path = atomic_dir.checkpoint_path(checkpoint_dir)
     state_of(model).engine.wait_reduces()
     path = on_rank0(atomic_dir.resolve_load, path)
-    state = {"model": _model_state(model), "engine": {"micro_step": torch.tensor(0)}}
-    if optimizer is not None:
-        _ensure_optimizer_state(optimizer)
-        state["optim"] = _optimizer_state(optimizer)
-    if adaptive is not None:
-        state["adaptive"] = _adaptive_state(adaptive)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    md = on_rank0(read_metadata, path)  # unpickled safely on rank 0, the same checked object on every rank
+    created = optimizer is not None and _ensure_optimizer_state(optimizer)
+    try:
+        state = {"model": _model_state(model), "engine": {"micro_step": torch.tensor(0)}}
+        if optimizer is not None:
+            state["optim"] = _optimizer_state(optimizer, scaler="optim.loss_scaler" in md.state_dict_metadata)
+        if adaptive is not None:
+            state["adaptive"] = _adaptive_state(adaptive)
+        hparams = _compare(path, md, state, model, optimizer, adaptive)
+        _dcp_load(state, path, md)
+    except BaseException:
+        if created:  # the optimizer is left as it was: without state
+            optimizer.optimizer.state.clear()
+        raise
     groups = {g.name: g for g in state_of(model).groups}
     with torch.no_grad():
         for key, value in state["model"].items():
@@ -204,12 +248,68 @@ def load(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
                 buffers[key[len("buffer."):]].copy_(value)
     state_of(model).engine.micro_step = int(state["engine"]["micro_step"])
     if optimizer is not None:
-        _restore_optimizer(optimizer, state["optim"], groups)
+        _restore_optimizer(optimizer, state["optim"], hparams, groups)
     if adaptive is not None:
         _restore_adaptive(adaptive, state["adaptive"])
 
 
-def _restore_optimizer(opt: Optimizer, saved: dict, groups: dict) -> None:
+def _dcp_load(state: dict, path: str, md) -> None:
+    try:
+        dcp.load(state, storage_reader=SafeReader(path, md))
+    except CheckpointException as e:
+        raise summarize(e, "qcoll.zero.load") from e
+
+
+def _flat_sizes(state: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out.update(_flat_sizes(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v.shape  # a DTensor's is the global size
+    return out
+
+
+_JSON_LIMIT = 1 << 26  # bytes: the JSON entries are a few KiB; a crafted size must not allocate without bound
+
+
+def _compare(path: str, md, state: dict, model, optimizer, adaptive) -> list | None:
+    """The ValueError listing every difference between the checkpoint and ``state`` (keys, sizes) and
+    the model's layout; else the checkpoint's optimizer hyper-parameters (None without an optimizer)."""
+    expected = _flat_sizes(state)
+    if optimizer is not None:
+        expected["optim.param_groups"] = None
+    owned = ("model.", "engine.") + (("optim.",) if optimizer is not None else ()) + (
+        ("adaptive.",) if adaptive is not None else ())
+    diffs = differences(expected, md, owned, optional=("model.layout", "optim.loss_scaler"))
+    entries = md.state_dict_metadata
+    small = {}
+    for key in ("model.layout",) + (("optim.param_groups",) if optimizer is not None else ()):
+        if key in entries:
+            size, dtype = entries[key].size, entries[key].properties.dtype
+            if len(size) != 1 or dtype != torch.uint8 or size[0] > _JSON_LIMIT:
+                raise ValueError(f"qcoll.zero.load: {path!r}: {key} is a {dtype} tensor of size {list(size)}, "
+                                 f"not JSON text (uint8, at most {_JSON_LIMIT} bytes)")
+            small[key] = torch.empty(size, dtype=torch.uint8)
+    if small:
+        _dcp_load(small, path, md)
+    hparams = None
+    if "model.layout" in small:
+        saved = from_json_tensor(small["model.layout"], f"{path}: model.layout")
+        diffs += layout_differences(saved, _layout(model))
+    if "optim.param_groups" in small:
+        hparams = decode_param_groups(small["optim.param_groups"], f"{path}: optim.param_groups")
+        if len(hparams) != len(optimizer.optimizer.param_groups):
+            diffs.append(f"optimizer param groups: {len(hparams)} in the checkpoint, "
+                         f"{len(optimizer.optimizer.param_groups)} in the optimizer")
+    if diffs:
+        raise ValueError(f"qcoll.zero.load: checkpoint {path!r} does not match the "
+                         f"{'model and optimizer' if optimizer is not None else 'model'} ({len(diffs)} "
+                         "difference(s)); nothing was loaded:\n  " + "\n  ".join(diffs))
+    return hparams
+
+
+def _restore_optimizer(opt: Optimizer, saved: dict, hparams: list, groups: dict) -> None:
     by_master = {id(g.master): g for g in groups.values()}
     with torch.no_grad():
         for m in opt.masters:
@@ -222,8 +322,13 @@ def _restore_optimizer(opt: Optimizer, saved: dict, groups: dict) -> None:
                     v.copy_(loaded)
                 else:
                     opt.optimizer.state[m][k] = type(v)(loaded.item())
-    for pg, hp in zip(opt.optimizer.param_groups, saved["param_groups"]):
-        pg.update(hp)
+        for pg, hp in zip(opt.optimizer.param_groups, hparams):
+            for k, v in hp.items():
+                cur = pg.get(k)
+                if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor) and cur.shape == v.shape:
+                    cur.copy_(v)  # a tensor lr keeps its device and identity (schedulers hold it)
+                else:
+                    pg[k] = v
     opt.skipped_steps = int(saved["skipped_steps"])
     if opt.loss_scaler is not None and "loss_scaler" in saved:
         value, clean = saved["loss_scaler"].tolist()
