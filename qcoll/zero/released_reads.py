@@ -6,8 +6,9 @@ A forward that reads a parameter of a unit other than the ones running (a parent
 :class:`ReleasedParameterProbe` (a ``TorchFunctionMode``) sees every op's arguments and has the
 engine gather such a parameter's group on the spot. A read that only a later forward makes
 fails with a shape error; :func:`note_released_reads` then names the released parameters that the
-failing frames hold, and adds nothing when none does (a transport error from a dead peer, or an
-error of the engine's own collectives, is not explained as a released read).
+failing op held (the innermost frame's parameter locals), and adds nothing when it finds none: an
+operand read inline (``x @ self.emb.weight``) has no frame to show it, and a transport error from
+a dead peer, or an error of the engine's own collectives, is never explained as a released read.
 """
 from __future__ import annotations
 
@@ -49,25 +50,23 @@ class ReleasedParameterProbe(TorchFunctionMode):
 
 
 def _released_in_frames(tb, names: dict) -> list[str]:
-    """The names of released managed parameters that the traceback's frames hold as locals
-    (directly, or as the direct parameters of a module local such as ``self``)."""
-    found = []
-
-    def visit(p):
-        name = names.get(id(p))
-        if name is not None and p.numel() == 0 and name not in found:
-            found.append(name)
-
+    """The names of the released managed parameters that the innermost frames of the traceback
+    hold as local variables (an op's operands, as ``F.embedding``'s ``weight``), or as the direct
+    parameters of the ``self`` of the frame that raised: the innermost frame with any. A released
+    parameter that a frame merely could reach is not named."""
+    frames = []
     while tb is not None:
-        for value in tb.tb_frame.f_locals.values():
-            if isinstance(value, nn.Parameter):
-                visit(value)
-            elif isinstance(value, nn.Module):
-                for p in value._parameters.values():
-                    if p is not None:
-                        visit(p)
+        frames.append(tb.tb_frame)
         tb = tb.tb_next
-    return found
+    for depth, frame in enumerate(reversed(frames)):
+        candidates = [v for v in frame.f_locals.values() if isinstance(v, nn.Parameter)]
+        owner = frame.f_locals.get("self")
+        if depth == 0 and isinstance(owner, nn.Module):
+            candidates += [p for p in owner._parameters.values() if p is not None]
+        found = [names[id(p)] for p in candidates if id(p) in names and p.numel() == 0]
+        if found:
+            return list(dict.fromkeys(found))
+    return []
 
 
 def note_released_reads(error, names: dict) -> None:
