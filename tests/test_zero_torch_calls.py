@@ -73,7 +73,7 @@ def test_clip_grad_norm_is_the_norm_over_all_ranks(ranks4, norm_type):
 def _zero_grad_between_steps(rank, world, set_to_none):
     model = tiny_model(0)
     zero.shard(model, qcoll.Topology(2), zero.ZeroConfig.zero3())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=not set_to_none)  # foreach: _foreach_zero_
     x, y = Batches(corpus(), BATCH, model.cfg.context, 5).next()
     model(x, y).backward()
     first = [float(torch.linalg.vector_norm(p.grad)) for p in model.parameters()]

@@ -53,4 +53,13 @@ def bandwidth(rows: list[dict], path: str, title: str = "", y: str = "algbw_GBs"
         ax.legend(fontsize="small")
     if title:
         fig.suptitle(title)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
+
+
+def save_figure(fig, path: str) -> None:
+    """Write ``fig`` to ``path`` (its extension the format) atomically, replacing, never following,
+    a symlink planted at ``path`` (:func:`qcoll.bench.cli.write_atomic`)."""
+    from .cli import write_atomic
+
+    fmt = os.path.splitext(path)[1].lstrip(".").lower()
+    write_atomic(path, lambda f: fig.savefig(f, format=fmt, dpi=120))

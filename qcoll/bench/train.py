@@ -56,7 +56,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from . import adaptive, cli
+from . import adaptive, cli, plot
 from .collcount import CollectiveCounter
 from .linkmeter import LinkMeter
 from .ranks import run_ranks
@@ -483,5 +483,5 @@ def _plot(runs: list[dict], path: str) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plot.save_figure(fig, path)
     plt.close(fig)

@@ -18,13 +18,12 @@ Works inside ``qcoll-bench cluster`` (live and ``--record``).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import torch
 import torch.distributed as dist
 
-from . import cli, progress, train
+from . import cli, plot, progress, train
 from .ranks import run_ranks
 
 NAME = "tune"
@@ -229,5 +228,4 @@ def _plot(curves: dict, path: str, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
-    fmt = os.path.splitext(path)[1].lstrip(".").lower()   # plot.check accepted it
-    cli.write_atomic(path, lambda f: fig.savefig(f, format=fmt, dpi=120))
+    plot.save_figure(fig, path)

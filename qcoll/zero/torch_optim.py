@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import warnings
 
-import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import user_grads
