@@ -22,6 +22,8 @@ from .state import MANAGED_ATTR
 
 def new_parameters(root: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The parameters of ``root`` that no group manages, in registration order."""
+    if all(p is None or getattr(p, MANAGED_ATTR, False) for m in root.modules() for p in m._parameters.values()):
+        return []  # the common case, checked at every forward without building names
     return [(n, p) for n, p in root.named_parameters() if not getattr(p, MANAGED_ATTR, False)]
 
 
