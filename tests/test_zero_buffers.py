@@ -64,3 +64,20 @@ def test_without_broadcast_buffers_each_rank_keeps_its_own_and_state_dict_is_ran
     assert not any(same for same, _, _ in results)  # the ranks' micro-batches differ
     assert all(same_state for _, same_state, _ in results)
     assert results[0][2] and not results[1][2]  # rank 0 holds its own statistics, rank 1 its own
+
+
+def _save_after_step(rank, world, path):
+    model = zero.shard(_bn_model(), qcoll.Topology(2), zero.ZeroConfig.zero3())
+    opt = zero.Optimizer(model, torch.optim.SGD, lr=0.1)
+    x, y = _batch(rank, 0)
+    nn.functional.cross_entropy(model.train()(x), y).backward()
+    opt.step()
+    zero.save(path, model, opt)  # no forward since the training one: each rank still holds its own statistics
+    fresh = zero.shard(_bn_model(), qcoll.Topology(2), zero.ZeroConfig.zero3())
+    zero.load(path, fresh)
+    want, got = model.state_dict(), fresh.state_dict()
+    return all(torch.equal(want[k], got[k]) for k in want if "running" in k)
+
+
+def test_a_checkpoint_holds_rank_0s_buffers(ranks4, tmp_path):
+    assert all(ranks4.run(_save_after_step, str(tmp_path / "ckpt"), timeout=120))

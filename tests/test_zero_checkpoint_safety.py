@@ -338,3 +338,16 @@ def test_save_failure_is_one_oserror(ranks4, tmp_path):
         assert "__1_0.distcp'" in err[1] and "\n" not in err[1] and err[4] == "CheckpointException", err
     for err, loaded, _ in ranks4.run(_load_fresh, path, timeout=120):  # the previous checkpoint is intact
         assert err is None and all(torch.equal(saved[k], loaded[k]) for k in saved), err
+
+
+def test_metadata_cannot_set_attributes_of_a_class():
+    """BUILD on an allowed class itself (not an instance) would change it for the whole process."""
+    import io
+    import pathlib
+
+    from qcoll.zero.checkpoint_safety import MetadataUnpickler, UnsafeCheckpointError
+
+    payload = b"cpathlib\nPosixPath\n(N}S'_qcoll_marker'\nI1\nstb."
+    with pytest.raises(UnsafeCheckpointError, match="refusing to set the attributes"):
+        MetadataUnpickler(io.BytesIO(payload), "ckpt/.metadata").load()
+    assert not hasattr(pathlib.PosixPath, "_qcoll_marker")

@@ -115,3 +115,56 @@ def test_register_forward_method_gathers_what_the_method_reads(ranks4):
 def test_register_forward_method_refuses_what_is_not_sharded():
     with pytest.raises(TypeError, match="module must be a model sharded"):
         zero.register_forward_method(TwoHeads(), "embed_and_score")
+
+
+def _registered_generate(rank, world):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    plain = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32,
+                                       bos_token_id=0, eos_token_id=1, pad_token_id=1)).eval()
+    prompt = torch.tensor([[5, 17, 3, 42]])
+    run = lambda m: m.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False).tolist()  # noqa: E731
+    want = run(plain)
+    model = zero.shard(copy.deepcopy(plain), qcoll.Topology(2), zero.ZeroConfig.zero3())
+    zero.register_forward_method(model, "generate")  # FSDP2's usual registration: its forwards nest inside
+    return run(model) == want
+
+
+def test_a_registered_method_that_calls_the_forward(ranks4):
+    assert all(ranks4.run(_registered_generate, timeout=120))
+
+
+class Checkpointed(torch.nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(16, 8)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)])
+        self.head = torch.nn.Linear(8, 16)
+        self.reentrant = reentrant
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for b in self.blocks:  # activation checkpointing of each unit: recomputed inside the backward
+            h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=self.reentrant)
+        return self.head(torch.tanh(h)).logsumexp(-1).mean()
+
+
+def _checkpointed(rank, world, reentrant):
+    from qcoll.testing import BatchList, check_parity
+
+    model = Checkpointed(reentrant)
+    reference = copy.deepcopy(model)
+    zero.shard(model, qcoll.Topology(2), zero.ZeroConfig.zero3(), units=list(model.blocks))
+    ids = [(torch.randint(0, 16, (8, 5), generator=torch.Generator().manual_seed(i)),) for i in range(3)]
+    check_parity(model, zero.Optimizer(model, torch.optim.SGD, lr=0.5), reference,
+                 torch.optim.SGD(reference.parameters(), lr=0.5), BatchList(ids), 3, rank=rank, world=world,
+                 rtol=2e-5, atol=2e-5, loss_rtol=1e-5)
+    return True
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointed_units_train_like_one_process(ranks4, reentrant):
+    """The recompute inside the backward is not a call from outside the model's forward."""
+    assert all(ranks4.run(_checkpointed, reentrant, timeout=120))

@@ -113,11 +113,16 @@ def _refusals(rank, world):
         errors["lbfgs"] = None
     except TypeError as e:
         errors["lbfgs"] = str(e)
-    try:
-        list(model.parameters())[0].grad.sum()
-        errors["grad.sum"] = None
-    except TypeError as e:
-        errors["grad.sum"] = str(e)
+    for name, call in [("grad.sum", lambda: list(model.parameters())[0].grad.sum()),
+                       ("grad.T", lambda: list(model.parameters())[1].grad.T)]:
+        try:
+            call()
+            errors[name] = None
+        except TypeError as e:
+            errors[name] = str(e)
+    for p in model.parameters():  # .data stands for the same slice: zeroing it zeroes the gradient
+        p.grad.data.mul_(0)
+    errors["norm after .data.mul_(0)"] = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
     return errors, next(model.parameters()).dtype
 
 
@@ -128,6 +133,8 @@ def test_dtype_moves_and_non_elementwise_optimizers_are_refused(ranks4):
         assert errors[name] and "compute_dtype" in errors[name], name
     assert errors["lbfgs"] and "LBFGS" in errors["lbfgs"]
     assert errors["grad.sum"] and "sum" in errors["grad.sum"]
+    assert errors["grad.T"] and "T()" in errors["grad.T"]
+    assert errors["norm after .data.mul_(0)"] == 0.0
 
 
 def _counts(rank, world):

@@ -173,6 +173,7 @@ def save(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
     _check(model, optimizer, adaptive)
     path = atomic_dir.checkpoint_path(checkpoint_dir)
     state_of(model).engine.wait_reduces()
+    state_of(model).engine.sync_buffers()  # every rank's buffers rank 0's: DCP writes each from any rank
     tmp = on_rank0(atomic_dir.prepare_save, path)
     try:
         state = {"model": _model_state(model), "engine": {"micro_step": torch.tensor(state_of(model).engine.micro_step)}}

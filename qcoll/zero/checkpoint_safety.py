@@ -73,12 +73,29 @@ class CheckpointOSError(OSError):
         return str(self.args[0]) if self.args else super().__str__()
 
 
-class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles a DCP ``.metadata`` file, resolving only :data:`ALLOWED_GLOBALS` and torch dtypes."""
+class MetadataUnpickler(pickle._Unpickler):
+    """Unpickles a DCP ``.metadata`` file, resolving only :data:`ALLOWED_GLOBALS` and torch dtypes.
+
+    The pure-Python unpickler, so that BUILD (which sets attributes of the object below it) can be
+    checked too: it may fill in an instance of an allowed class, never a class itself (a crafted
+    file could otherwise change ``pathlib.Path`` or a DCP class for the rest of the process)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def __init__(self, file, path: str):
         super().__init__(file)
         self.path = path
+
+    def load_build(self):
+        target = self.stack[-2] if len(self.stack) >= 2 else None
+        cls = type(target)
+        if isinstance(target, type) or (cls.__module__, cls.__qualname__) not in ALLOWED_GLOBALS:
+            raise UnsafeCheckpointError(f"{self.path}: refusing to set the attributes of a {cls.__name__} "
+                                        f"({target!r:.80}) while unpickling: only instances of the DCP metadata "
+                                        "classes are built from a checkpoint's metadata")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
 
     def find_class(self, module: str, name: str):
         allowed = (module, name) in ALLOWED_GLOBALS or (

@@ -117,6 +117,7 @@ class Engine:
         #: called at the start of every forward: adopts parameters added since sharding
         self.adopt_new_parameters = None
         self.entry = None                  # the module whose call outside the model's forward began this one
+        self._nested = 0                   # forwards of the model running inside that call
         self.root = root
         self._buffers_stale = False        # a training forward changed the buffers since the last broadcast
         for u in units:
@@ -152,15 +153,16 @@ class Engine:
 
     # ------------------------------------------------------------------ forward
     def _begin_forward(self, module, args, kwargs):
+        if self._in_forward and self.entry is not None:  # the model's forward inside an entry (a registered
+            self._nested += 1                               # method calling it, e.g. generate): one forward
+            return self._cast(args, kwargs)
         if self._in_forward:  # the previous forward raised where the end hook does not run (compiled)
             self._reset_forward()
         if self.adopt_new_parameters is not None:
             self.adopt_new_parameters()
         for g in self.groups:  # a torch optimizer's step that raised left its shards exposed
             user_grads.conceal(g)
-        if self._buffers_stale:  # before this forward saves any of them for its backward
-            self._buffers_stale = False
-            broadcast_from_rank0(persistent_buffers(self.root))
+        self.sync_buffers()  # before this forward saves any of them for its backward
         self._in_forward = True
         if self.order:
             self.last_order = self.order
@@ -170,6 +172,10 @@ class Engine:
         if not self.probed:
             self._probe = ReleasedParameterProbe(self)
             self._probe.__enter__()
+        return self._cast(args, kwargs)
+
+    def _cast(self, args, kwargs):
+        """The forward's floating-point arguments in the compute dtype (None: unchanged)."""
         dtype = self.config.compute_dtype
         if dtype is not None:
             cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
@@ -178,6 +184,9 @@ class Engine:
 
     @_engine_hook("qcoll.zero::end_forward")
     def _end_forward(self, module, args, output):
+        if self._nested:  # the end of a forward inside an entry: the entry's end reshards
+            self._nested -= 1
+            return output
         failed = bool(self.running)      # the forward raised inside a unit: the probe runs again next time
         if failed:
             self._reset_forward()
@@ -205,14 +214,24 @@ class Engine:
         return cast
 
     @torch.compiler.disable
-    def end_entry(self, module: nn.Module, args, output) -> None:
-        """The call that :meth:`begin_entry` began returned (or raised): end its forward."""
+    def end_entry(self, module: nn.Module, args, output, failed: bool | None = None) -> None:
+        """The call that :meth:`begin_entry` began returned (or raised: ``failed``; None: judged from
+        the units still running, as a forward hook cannot tell): end its forward."""
+        if failed is None:
+            failed = not (self.running and self.running[-1] is self.units[0])
         try:
-            if sys.exc_info()[0] is None:
+            if not failed:
                 self._post_forward(self.units[0], module, args, output)
             self._end_forward(module, args, output)
         finally:
             self.entry = None
+
+    def sync_buffers(self) -> None:
+        """Give every rank rank 0's buffers if a training forward changed them since the last
+        broadcast (:mod:`qcoll.zero.buffers`; collective, every rank at the same point)."""
+        if self._buffers_stale:
+            self._buffers_stale = False
+            broadcast_from_rank0(persistent_buffers(self.root))
 
     def _stop_probe(self) -> None:
         if self._probe is not None:
@@ -355,6 +374,10 @@ class Engine:
             self.bucket = []
             for g in self.groups:
                 g.end_backward()
+                if not self._in_forward:  # a checkpoint's recompute stops early, its units never end
+                    g.clear_forward_uses()
+            if not self._in_forward:
+                self.running = []
             self.in_backward = False
             self.micro_step += 1
 

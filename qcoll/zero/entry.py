@@ -51,7 +51,7 @@ def register_entries(engine, root: nn.Module, units) -> list:
 
 
 def _pre(engine, module, args, kwargs):
-    if engine.in_forward:
+    if engine.in_forward or engine.in_backward:  # inside the model's forward, or a checkpoint's recompute
         return None
     return engine.begin_entry(module, args, kwargs)
 
@@ -78,16 +78,17 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(method)
     def run(*args, **kwargs):
-        if engine.in_forward:
+        if engine.in_forward or engine.in_backward:
             return method(*args, **kwargs)
         cast = engine.begin_entry(module, args, kwargs)
         if cast is not None:
             args, kwargs = cast
-        output = None
         try:
             output = method(*args, **kwargs)
-        finally:
-            engine.end_entry(module, args, output)
+        except BaseException:
+            engine.end_entry(module, args, None, failed=True)
+            raise
+        engine.end_entry(module, args, output, failed=False)
         return output
 
     setattr(module, method_name, run)

@@ -47,6 +47,10 @@ _METADATA = {"size", "dim", "numel", "nelement", "ndimension", "element_size", "
              "get_device", "requires_grad_", "detach_", "is_contiguous", "__get__", "__set__"}
 
 
+#: Properties that would give values of the gradient (refused; ``.data`` gives the stand-in itself).
+_VALUE_PROPERTIES = {"T", "mT", "H", "mH", "real", "imag"}
+
+
 def _name(func) -> str:
     return getattr(func, "__name__", repr(func))
 
@@ -84,6 +88,12 @@ class ShardedGrad(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = _name(func)
+        if name == "__get__":  # a property: .data stands for the same slice; values (.T, .real) do not exist
+            prop = getattr(getattr(func, "__self__", None), "__name__", "")
+            if prop == "data":
+                return args[0]
+            if prop in _VALUE_PROPERTIES:
+                name = prop
         if name in _METADATA or name == "__repr__":
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)

@@ -33,6 +33,11 @@ def adopt(root: nn.Module, state) -> None:
     found = new_parameters(root)
     if not found:
         return
+    empty = [n for n, p in found if p.numel() == 0]
+    if empty:  # a copy of a released parameter (copy.deepcopy, PEFT's modules_to_save after sharding)
+        raise ValueError(f"qcoll.zero: parameter(s) {', '.join(map(repr, empty[:3]))} were added to the model after "
+                         "qcoll.zero.shard as empty tensors (copies of sharded parameters, whose values live in "
+                         "shards); make such copies, e.g. apply PEFT with modules_to_save, before sharding")
     engine, root_unit = state.engine, state.units[0]
     for params, suffix in (([(n, p) for n, p in found if p.requires_grad], ""),
                            ([(n, p) for n, p in found if not p.requires_grad], ".frozen")):
