@@ -153,3 +153,21 @@ def _counts(rank, world):
 def test_num_parameters_counts_the_whole_model(ranks4):
     got, want = ranks4.run(_counts, timeout=120)[0]
     assert got == want
+
+
+def _step_after_no_sync(rank, world):
+    model = tiny_model(0)
+    zero.shard(model, qcoll.Topology(2), zero.ZeroConfig.zero3())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = Batches(corpus(), BATCH, model.cfg.context, 5).next()
+    with model.no_sync():
+        model(x, y).backward()
+    with pytest.raises(RuntimeError, match="never reduced"):
+        opt.step()
+    model(x, y).backward()  # the last micro-batch outside no_sync: reduced, then the step works
+    opt.step()
+    return True
+
+
+def test_a_step_on_gradients_never_reduced_is_refused(ranks4):
+    assert all(ranks4.run(_step_after_no_sync, timeout=60))

@@ -72,6 +72,10 @@ def expose(g, i: int) -> None:
     sync(g)
     p = g.params[i]
     had_grad = i in g.proxies
+    if p.grad is not None and not had_grad:
+        raise RuntimeError(f"qcoll.zero: parameter {g.names[i]!r} holds a gradient that was never reduced (a "
+                           "backward inside model.no_sync()); run the last micro-batch's backward outside no_sync() "
+                           "before the optimizer steps")
     p.grad = None
     p.data = g.master_slice(i)
     if had_grad:
