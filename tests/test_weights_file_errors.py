@@ -13,6 +13,7 @@ import subprocess
 import pytest
 import torch
 
+import qcoll.files
 from qcoll import weights
 from qcoll.weights import file as wfile
 from qcoll.weights.record import QuantizedWeight
@@ -249,7 +250,7 @@ def test_save_never_follows_a_symlink_at_the_temporary_or_the_final_path(tmp_pat
     planted.symlink_to(victim)
     base.symlink_to(victim)
     draws = iter(["aaaaaaaa", "bbbbbbbb"])          # the first name drawn is the planted one
-    monkeypatch.setattr(wfile.secrets, "token_hex", lambda n: next(draws))
+    monkeypatch.setattr(qcoll.files.secrets, "token_hex", lambda n: next(draws))
     qw = _save(base)
     assert victim.read_bytes() == b"precious"
     assert planted.is_symlink() and not base.is_symlink()

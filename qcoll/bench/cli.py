@@ -22,9 +22,12 @@ import argparse
 import importlib
 import json
 import os
-import secrets
 import sys
 from typing import BinaryIO, Callable
+
+from .. import files
+
+_TEMP_PREFIX = ".qcoll-bench-"  # temporary files of write_atomic: .qcoll-bench-<random>.tmp
 
 SUBCOMMANDS = ("collectives", "train", "cluster", "tune", "generate")
 
@@ -123,7 +126,7 @@ def check_output(parser: argparse.ArgumentParser, option: str, path: str | None)
     if os.path.isdir(path) and not os.path.islink(path):
         parser.error(f"{option} {path}: is a folder, not a file")
     try:
-        fd, tmp = _create_temp(folder)
+        fd, tmp = files.create_temp(folder, _TEMP_PREFIX, ".tmp")
     except OSError as e:
         parser.error(f"{option} {path}: cannot create a file in folder {folder} ({e.strerror or e})")
     os.close(fd)
@@ -136,35 +139,10 @@ def write_json(path: str, doc: dict) -> None:
 
 
 def write_atomic(path: str, write: Callable[[BinaryIO], object]) -> None:
-    """Call ``write`` on a new binary file in ``path``'s folder, then rename that file onto ``path``.
-
-    An interrupted run never leaves half a file at ``path`` (the temporary file is removed when
-    ``write`` raises), and a symlink at ``path`` is replaced by the new file, never followed (its
-    target is untouched): ``os.replace`` renames onto the link itself. The temporary file is created
-    exclusively (``O_EXCL``, ``O_NOFOLLOW``) under a random name, with the permissions a plain
-    ``open(path, "w")`` would give (``0o666`` less the umask).
-    """
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = _create_temp(folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _create_temp(folder: str) -> tuple[int, str]:
-    """``(fd, path)`` of a new empty file ``.qcoll-bench-<random>.tmp`` in ``folder``, created exclusively."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    while True:
-        tmp = os.path.join(folder, f".qcoll-bench-{secrets.token_hex(6)}.tmp")
-        try:
-            return os.open(tmp, flags, 0o666), tmp
-        except FileExistsError:   # a name already taken: draw another
-            continue
+    """Call ``write`` on a new binary file in ``path``'s folder (``.qcoll-bench-<random>.tmp``), then rename
+    that file onto ``path`` (:func:`qcoll.files.write_atomic`): an interrupted run never leaves half a file
+    at ``path``, and a symlink at ``path`` is replaced by the new file, never followed."""
+    files.write_atomic(path, write, prefix=_TEMP_PREFIX, suffix=".tmp")
 
 
 def build_parser() -> argparse.ArgumentParser:

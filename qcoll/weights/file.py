@@ -21,11 +21,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import stat
 
 import torch
 
+from .. import files
 from ..quant import format as fmt
 from .record import QuantizedWeight
 
@@ -77,32 +77,14 @@ def save(path, weights: dict[str, QuantizedWeight], plain: dict[str, torch.Tenso
 
 
 def _write_atomic(path: str, data: bytes) -> None:
-    """Write ``data`` to ``<path>.tmp.<pid>.<random>`` in ``path``'s folder, then rename it onto ``path``.
-
-    The temporary file is created exclusively (``O_EXCL``, ``O_NOFOLLOW``: a symlink planted at its
-    name is never followed), with the permissions of a plain ``open`` (``0o666`` less the umask), and
-    removed if the write fails; a symlink at ``path`` is replaced, not followed (``os.replace``).
-    Temporary files of ``path`` left by writers that died mid-write are removed first
+    """Write ``data`` to ``<path>.tmp.<pid>.<random>`` in ``path``'s folder, then rename it onto ``path``
+    (:func:`qcoll.files.write_atomic`: never follows a symlink at either name, leaves nothing behind on
+    failure). Temporary files of ``path`` left by writers that died mid-write are removed first
     (:func:`_remove_stale_temps`).
     """
     folder, base = os.path.split(os.path.abspath(path))
     _remove_stale_temps(folder, base)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    while True:
-        tmp = os.path.join(folder, f"{base}{TMP_INFIX}{os.getpid()}.{secrets.token_hex(4)}")
-        try:
-            fd = os.open(tmp, flags, 0o666)
-            break
-        except FileExistsError:   # the name is taken: draw another
-            continue
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
+    files.write_atomic(path, lambda f: f.write(data), prefix=f"{base}{TMP_INFIX}{os.getpid()}.")
 
 
 def _remove_stale_temps(folder: str, base: str) -> list[str]:

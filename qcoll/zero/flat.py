@@ -72,10 +72,9 @@ class FlatGroup:
         self.compact_shard_numel = -(-self.total // topology.world_size)
         self.local_numel = max(0, min(self.compact_shard_numel, self.total - topology.rank * self.compact_shard_numel))
         full = torch.zeros(W * self.shard_numel, dtype=torch.float32, device=self.params[0].device)
-        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
+        for i, (p, off, n) in enumerate(zip(self.params, self.offsets, self.numels)):
             full[off:off + n].copy_(p.detach().reshape(-1))
-            p.ds_numel, p.ds_shape = n, shape  # the full size of an empty parameter: DeepSpeed's names (PEFT reads them)
-        for i, p in enumerate(self.params):
+            p.ds_numel, p.ds_shape = n, self.shapes[i]  # an empty parameter's full size: DeepSpeed's names (PEFT reads them)
             setattr(p, user_grads.SLOT_ATTR, (self, i))
         if sync_module_states and topology.world_size > 1:
             dist.broadcast(full, src=0)

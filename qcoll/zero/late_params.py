@@ -12,8 +12,6 @@ adopts the same parameters in the same order.
 """
 from __future__ import annotations
 
-import functools
-
 from torch import nn
 
 from .replicated import ReplicatedGroup
@@ -52,7 +50,3 @@ def adopt(root: nn.Module, state) -> None:
         root_unit.used.extend(p for _, p in params)
         engine.add_group(g)
 
-
-def install(root: nn.Module, state) -> None:
-    """Let ``state.adopt_new_parameters()`` (the engine's, the optimizer's) adopt ``root``'s new parameters."""
-    state.adopt = functools.partial(adopt, root, state)

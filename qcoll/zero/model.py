@@ -9,6 +9,7 @@ each unit's parameters around its forward and backward.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -264,8 +265,7 @@ def _build_state(model: nn.Module, topology: Topology, config: ZeroConfig, units
     for u in unit_list:
         u.groups = list(dict.fromkeys(group_of[id(p)] for p in u.used))
     state = ZeroState(topology, config, unit_list, groups, Engine(model, unit_list, groups, config))
-    late_params.install(model, state)
-    state.engine.adopt_new_parameters = state.adopt_new_parameters
+    state.engine.adopt_new_parameters = functools.partial(late_params.adopt, model, state)
     return state
 
 

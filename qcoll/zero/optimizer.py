@@ -73,7 +73,7 @@ class Optimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, model, optimizer_class, loss_scaler: LossScaler | None = None, **kwargs):
-        state_of(model).adopt_new_parameters()  # a TypeError unless qcoll.zero.shard(...) sharded it
+        state_of(model).engine.adopt_new_parameters()  # a TypeError unless qcoll.zero.shard(...) sharded it
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):

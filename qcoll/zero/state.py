@@ -29,15 +29,6 @@ class ZeroState:
     groups: list[FlatGroup]
     engine: Engine
 
-    #: builds groups for parameters added to the module after sharding (set by shard())
-    adopt: object = None
-
-    def adopt_new_parameters(self) -> None:
-        """Make the parameters added to the module since sharding (e.g. PEFT's adapters) groups
-        of their own (collective; see :mod:`qcoll.zero.late_params`)."""
-        if self.adopt is not None:
-            self.adopt()
-
     def trainable_masters(self) -> list[nn.Parameter]:
         """The fp32 master shards that an optimizer steps, one per trainable group."""
         return [g.master for g in self.groups if g.trainable]
