@@ -29,7 +29,7 @@ def _chunk_bounds(slice_len: int, block_size: int, num_chunks: int) -> list[tupl
     return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
 
 
-def _all_to_all(frames: torch.Tensor, group, peers: int):
+def all_to_all_frames(frames: torch.Tensor, group, peers: int):
     """Equal-split all-to-all of uint8 ``frames`` ``[peers, nbytes]`` (row ``j`` to peer ``j``);
     returns (recv ``[peers, nbytes]``, work). The split sizes are explicit so that gloo runs
     the same algorithm (alltoallv) as :func:`_poison_all_to_all` and the two can meet."""
@@ -219,7 +219,7 @@ class _Qgz:
                                       self.k, self.stochastic, self.seed, a)
         if self.L == 1:
             return q1.view(1, self.N, -1), None
-        return _all_to_all(framing.frame(q1.view(self.L, -1), self._header(k, 1)), self.t.intra_group, self.L)
+        return all_to_all_frames(framing.frame(q1.view(self.L, -1), self._header(k, 1)), self.t.intra_group, self.L)
 
     def _received(self, k: int, hop: int, recv, work, shape):
         """The checked payload of a hop's frames in ``shape``, or None (recorded) when they disagree."""
@@ -252,7 +252,7 @@ class _Qgz:
                 sim.add_half_noise(self.similarity, energy, self.t.node < sim.half_split(self.N))
             q2 = reserve.reduce_requantize(got, b - a, self.bits1, self.bits2, self.block_size, self.k,
                                            self.stochastic, self.seed, a)
-        return _all_to_all(framing.frame(q2.view(self.N, -1), header), self.t.inter_group, self.N)
+        return all_to_all_frames(framing.frame(q2.view(self.N, -1), header), self.t.inter_group, self.N)
 
     def _poison(self, header: framing.Header):
         """Hop 2 after a hop-1 mismatch: poisoned headers out; peers' frames received into room

@@ -1,0 +1,146 @@
+"""``quantize_comm``: ZeRO++'s quantized communication on a model sharded with FSDP2."""
+from __future__ import annotations
+
+import os
+
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, FSDPMeshInfo
+
+from ..checks import check_bool
+from ..comm import Topology, validate
+from ..quant import format as fmt
+from . import hybrid
+from .comms import QuantizedAllGather, QuantizedReduceScatter, group_ranks, is_world
+
+
+def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight_bits: int | None = 8,
+                  grad_bits: int | tuple[int, int] | None = 4, weight_block: int = fmt.DEFAULT_WEIGHT_BLOCK,
+                  grad_block: int = fmt.DEFAULT_GRAD_BLOCK, hpz: bool = True, hadamard: bool = False
+                  ) -> list[FSDPModule]:
+    """Put qcoll's quantized collectives into every FSDP2 module under ``module``.
+
+    Call it on every rank after ``fully_shard`` and before the first forward; it returns
+    the FSDP modules it configured. A second call replaces the first.
+
+    ``topology``: the nodes (``qcoll.Topology(ranks_per_node=...)``). None: from the mesh
+    on HSDP (its shard dimension is the node), else ``LOCAL_WORLD_SIZE`` (torchrun).
+
+    On a 1-D mesh over the world (``fully_shard(model)``):
+
+    - ``weight_bits`` (8, 6, 4, 2): the parameter all-gather across nodes is qwZ, node by
+      node, each parameter on blocks of its own (:class:`QuantizedAllGather`);
+    - ``grad_bits`` (an int, or ``(intra-node, inter-node)``): the gradient reduce-scatter
+      is qgZ's 2-hop all-to-all (:class:`QuantizedReduceScatter`);
+    - ``hpz=True``: the backward all-gather stays inside the node. This is FSDP2's
+      ``fully_shard(..., reshard_after_forward=<ranks per node>)``, which must be set on
+      every module but the root (a ``ValueError`` says so when it is not). ``hpz=False``
+      wants ``reshard_after_forward=True`` (or False): the backward gathers across nodes
+      again, quantized.
+
+    On an HSDP mesh (``fully_shard(model, mesh=<2-D mesh (replicate, shard)>)``) weights
+    never cross nodes: ``grad_bits`` quantizes the gradient all-reduce across nodes
+    (:func:`qcoll.all_reduce_quantized` among the ranks of equal local index); the
+    all-gather and reduce-scatter inside the node stay FSDP2's own.
+
+    ``weight_bits=None`` / ``grad_bits=None`` leaves that collective as FSDP2's own (a
+    previous call's is removed). ``weight_block`` / ``grad_block``: elements per fp32
+    scale. ``hadamard``: rotate the gradient blocks before quantizing (qgZ).
+    ``qcoll.comm.stats`` counts what each group sends.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    validate.check_quant_args(weight_bits, weight_block)
+    validate.check_hop_bits(grad_bits, grad_block)
+    check_bool(hpz, "hpz")
+    check_bool(hadamard, "hadamard")
+    if hadamard and grad_bits is None:
+        raise ValueError("hadamard=True needs quantized gradients (grad_bits is None)")
+    targets = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if not targets:
+        raise ValueError(f"quantize_comm: no FSDP2 module under {type(module).__name__}: call "
+                         f"torch.distributed.fsdp.fully_shard on it (and on its blocks) first")
+    groups = [(m, g) for m in targets for g in m._get_fsdp_state()._fsdp_param_groups]
+    if not groups:
+        raise ValueError(f"quantize_comm: the FSDP2 modules under {type(module).__name__} manage no parameters")
+    topology = _topology(topology, groups[0][1].mesh_info)
+    for m, group in groups:
+        info = group.mesh_info
+        if isinstance(info, HSDPMeshInfo):
+            _check_hsdp(info, topology)
+            if grad_bits is None:
+                hybrid.uninstall(group)
+            else:
+                hybrid.install(group, topology, _inter_bits(grad_bits), grad_block)
+        elif isinstance(info, FSDPMeshInfo):
+            _check_flat(info, topology)
+            _check_hpz(m, group, topology, hpz, weight_bits, root=m is targets[0])
+            group._all_gather_comm = (DefaultAllGather() if weight_bits is None else QuantizedAllGather(
+                topology, weight_bits, weight_block, [p._orig_size for p in group.fsdp_params]))
+            group._reduce_scatter_comm = (DefaultReduceScatter() if grad_bits is None else QuantizedReduceScatter(
+                topology, grad_bits, grad_block, hadamard))
+        else:
+            raise ValueError(f"quantize_comm: {type(m).__name__} is replicated without sharding ({type(info).__name__}); "
+                             f"qcoll quantizes FSDP2's sharded (1-D) and HSDP (2-D) meshes")
+    return targets
+
+
+def _inter_bits(grad_bits):
+    return grad_bits[1] if isinstance(grad_bits, (tuple, list)) else grad_bits
+
+
+def _topology(topology, info) -> Topology:
+    if topology is not None:
+        return validate.check_topology(topology)
+    if isinstance(info, HSDPMeshInfo):
+        return Topology(ranks_per_node=info.shard_mesh_size)
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return Topology.from_env()
+    raise ValueError("quantize_comm: pass topology=qcoll.Topology(ranks_per_node=...): the mesh is 1-D and "
+                     "LOCAL_WORLD_SIZE (set by torchrun) is not set, so the nodes are unknown")
+
+
+def _check_flat(info, topology: Topology) -> None:
+    ranks = group_ranks(info.shard_process_group)
+    if not is_world(info.shard_process_group, topology):
+        raise ValueError(f"quantize_comm: the 1-D mesh shards over ranks {ranks}, but {topology!r} describes a "
+                         f"world of {topology.world_size} ranks; shard over the whole world, or use an HSDP "
+                         f"mesh (replicate across nodes, shard inside)")
+
+
+def _check_hsdp(info, topology: Topology) -> None:
+    shard = group_ranks(info.shard_process_group)
+    replicate = group_ranks(getattr(info, hybrid.ORIGINAL_ATTR, info.replicate_process_group))
+    L, t = topology.ranks_per_node, topology
+    node = list(range(t.node * L, (t.node + 1) * L))
+    peers = list(range(t.local_rank, t.world_size, L))
+    if shard != node or replicate != peers:
+        raise ValueError(f"quantize_comm: the HSDP mesh shards over ranks {shard} and replicates over {replicate}, "
+                         f"but {topology!r} puts rank {t.rank} on a node of ranks {node}: build the mesh as "
+                         f"init_device_mesh(device, ({t.num_nodes}, {L}), mesh_dim_names=('replicate', 'shard'))")
+
+
+def _check_hpz(m, group, topology: Topology, hpz: bool, weight_bits, root: bool) -> None:
+    """The backward all-gather's group (FSDP2's ``reshard_after_forward``) against ``hpz``."""
+    L, N = topology.ranks_per_node, topology.num_nodes
+    state = m._get_fsdp_state()
+    if N == 1 or L == 1 or weight_bits is None or (root and state._auto_reshard_after_forward):
+        return              # (FSDP2 keeps the root unsharded after forward when it is left to choose)
+    post = group.post_forward_mesh_info
+    if state._auto_reshard_after_forward or post is None:
+        if post is None and not state._auto_reshard_after_forward:
+            return          # reshard_after_forward=False: no backward all-gather at all
+        kept = "not set (FSDP2 then reshards non-root modules to the world)"
+    else:
+        kept = ("True (the world)" if post is group.mesh_info
+                else f"{post.shard_mesh_size} (ranks {group_ranks(post.shard_process_group)})")
+    inside = post is not None and post is not group.mesh_info and post.shard_mesh_size == L
+    if hpz and not inside:
+        raise ValueError(f"quantize_comm(hpz=True): hpZ keeps each shard inside the node after forward, so the "
+                         f"backward all-gather stays there, but {type(m).__name__}'s reshard_after_forward is {kept}; "
+                         f"call fully_shard(module, reshard_after_forward={L}) on every block ({L} ranks per node), "
+                         f"or pass quantize_comm(hpz=False) to gather across nodes again in backward (quantized)")
+    if not hpz and inside:
+        raise ValueError(f"quantize_comm(hpz=False) but {type(m).__name__} has reshard_after_forward={L}, which is "
+                         f"hpZ: pass hpz=True, or fully_shard(module, reshard_after_forward=True)")
