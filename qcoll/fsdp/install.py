@@ -11,7 +11,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, FSDPM
 from ..checks import check_bool
 from ..comm import Topology, validate
 from ..quant import format as fmt
-from . import hybrid
+from . import handshake, hybrid
 from .comms import QuantizedAllGather, QuantizedReduceScatter, group_ranks, is_world
 
 
@@ -22,7 +22,10 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
     """Put qcoll's quantized collectives into every FSDP2 module under ``module``.
 
     Call it on every rank after ``fully_shard`` and before the first forward; it returns
-    the FSDP modules it configured. A second call replaces the first.
+    the FSDP modules it configured. A second call replaces the first. The ranks check
+    through the store that all of them called it with the same arguments and model: a
+    ``ValueError`` names ranks that differ, a ``RuntimeError`` (after the store's timeout)
+    names ranks that did not call it.
 
     ``topology``: the nodes (``qcoll.Topology(ranks_per_node=...)``). None: from the mesh
     on HSDP (its shard dimension is the node), else ``LOCAL_WORLD_SIZE`` (torchrun).
@@ -65,6 +68,9 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
     if not groups:
         raise ValueError(f"quantize_comm: the FSDP2 modules under {type(module).__name__} manage no parameters")
     topology = _topology(topology, groups[0][1].mesh_info)
+    handshake.agree(f"weight_bits={weight_bits} grad_bits={grad_bits} weight_block={weight_block} "
+                    f"grad_block={grad_block} hpz={hpz} hadamard={hadamard} ranks_per_node={topology.ranks_per_node} "
+                    f"groups={len(groups)} parameters={sum(p._orig_size.numel() for _, g in groups for p in g.fsdp_params)}")
     for m, group in groups:
         info = group.mesh_info
         if isinstance(info, HSDPMeshInfo):
