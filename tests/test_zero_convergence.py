@@ -82,3 +82,26 @@ def test_zeropp_within_zero3_seed_noise(ranks4, zero3_scores, weight_bits):
     assert abs(score - base) <= TOLERANCE * base, (
         f"{weight_bits}-bit weights / 4-bit gradients score {score:.4f} against ZeRO-3's {base:.4f} "
         f"({score / base:.3f}x; ZeRO-3 from seed {SEED_B}: {zero3_scores[SEED_B]:.4f})")
+
+
+def _run_fsdp2(rank, world, seed=SEED_A):
+    """FSDP2 (blocks resharded inside the node after forward) with quantize_comm's defaults:
+    8-bit weights in blocks of 256, hpZ, 4-bit gradients in blocks of 128."""
+    from qcoll.fsdp import quantize_comm
+    from qcoll.testing.fsdp2 import mesh_for, shard_fsdp2
+
+    topo = qcoll.Topology(2)
+    model = char_transformer(MODEL, seed)
+    shard_fsdp2(model, model.blocks, mesh_for(False, 2), reshard_after_forward=2)
+    quantize_comm(model, topo)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    return train_steps(model, opt, Batches(corpus(), BATCH, MODEL.context, BATCH_SEED), STEPS, rank=rank, world=world)
+
+
+@pytest.mark.slow
+def test_fsdp2_with_qcoll_comms_within_zero3_seed_noise(ranks4, zero3_scores):
+    score = _score(ranks4.run(_run_fsdp2, SEED_A, timeout=600)[0])
+    base = zero3_scores[SEED_A]
+    assert abs(score - base) <= TOLERANCE * base, (
+        f"FSDP2 + quantize_comm scores {score:.4f} against ZeRO-3's {base:.4f} ({score / base:.3f}x; ZeRO-3 "
+        f"from seed {SEED_B}: {zero3_scores[SEED_B]:.4f})")

@@ -9,6 +9,7 @@ collective is issued, so nothing can pair up with FSDP2's) and reads every rank'
 """
 from __future__ import annotations
 
+import datetime
 import itertools
 
 import torch.distributed as dist
@@ -17,8 +18,8 @@ from torch.distributed.distributed_c10d import _get_default_store
 _calls = itertools.count()
 
 
-def agree(fingerprint: str) -> None:
-    """Wait (up to the store's timeout) until every rank has written its fingerprint for this
+def agree(fingerprint: str, timeout: datetime.timedelta | None = None) -> None:
+    """Wait (up to ``timeout``, default the store's) until every rank has written its fingerprint for this
     call; a ``RuntimeError`` naming the ranks that did not, a ``ValueError`` naming the ranks
     whose fingerprint differs from this rank's."""
     store = _get_default_store()
@@ -26,12 +27,13 @@ def agree(fingerprint: str) -> None:
     key = f"qcoll/quantize_comm/{n}/".__add__
     store.set(key(str(rank)), fingerprint)
     try:
-        store.wait([key(str(r)) for r in range(world)])
+        keys = [key(str(r)) for r in range(world)]
+        store.wait(keys) if timeout is None else store.wait(keys, timeout)
     except RuntimeError:
         missing = [r for r in range(world) if not store.check([key(str(r))])]
         raise RuntimeError(
-            f"quantize_comm (call {n} on rank {rank}): ranks {missing} did not call it within the store's "
-            f"timeout. Every rank must call quantize_comm on its model, in the same order, before the first "
+            f"quantize_comm (call {n} on rank {rank}): ranks {missing} did not call it within "
+            f"{timeout or store.timeout}. Every rank must call quantize_comm on its model, in the same order, before the first "
             f"forward; ranks that do not run FSDP2's own collectives and cannot meet the quantized ones") from None
     theirs = {r: store.get(key(str(r))).decode() for r in range(world)}
     differ = {r: f for r, f in theirs.items() if f != fingerprint}

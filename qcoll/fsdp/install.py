@@ -1,6 +1,7 @@
 """``quantize_comm``: ZeRO++'s quantized communication on a model sharded with FSDP2."""
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch.nn as nn
@@ -17,15 +18,16 @@ from .comms import QuantizedAllGather, QuantizedReduceScatter, group_ranks, is_w
 
 def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight_bits: int | None = 8,
                   grad_bits: int | tuple[int, int] | None = 4, weight_block: int = fmt.DEFAULT_WEIGHT_BLOCK,
-                  grad_block: int = fmt.DEFAULT_GRAD_BLOCK, hpz: bool = True, hadamard: bool = False
-                  ) -> list[FSDPModule]:
+                  grad_block: int = fmt.DEFAULT_GRAD_BLOCK, hpz: bool = True, hadamard: bool = False,
+                  timeout: datetime.timedelta | None = None) -> list[FSDPModule]:
     """Put qcoll's quantized collectives into every FSDP2 module under ``module``.
 
     Call it on every rank after ``fully_shard`` and before the first forward; it returns
     the FSDP modules it configured. A second call replaces the first. The ranks check
     through the store that all of them called it with the same arguments and model: a
     ``ValueError`` names ranks that differ, a ``RuntimeError`` (after the store's timeout)
-    names ranks that did not call it.
+    names ranks that did not call it within ``timeout`` (default: the store's, which is
+    ``init_process_group``'s timeout).
 
     ``topology``: the nodes (``qcoll.Topology(ranks_per_node=...)``). None: from the mesh
     on HSDP (its shard dimension is the node), else ``LOCAL_WORLD_SIZE`` (torchrun).
@@ -58,6 +60,8 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
     validate.check_hop_bits(grad_bits, grad_block)
     check_bool(hpz, "hpz")
     check_bool(hadamard, "hadamard")
+    if timeout is not None and not (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0):
+        raise TypeError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
     if hadamard and grad_bits is None:
         raise ValueError("hadamard=True needs quantized gradients (grad_bits is None)")
     targets = [m for m in module.modules() if isinstance(m, FSDPModule)]
@@ -70,7 +74,8 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
     topology = _topology(topology, groups[0][1].mesh_info)
     handshake.agree(f"weight_bits={weight_bits} grad_bits={grad_bits} weight_block={weight_block} "
                     f"grad_block={grad_block} hpz={hpz} hadamard={hadamard} ranks_per_node={topology.ranks_per_node} "
-                    f"groups={len(groups)} parameters={sum(p._orig_size.numel() for _, g in groups for p in g.fsdp_params)}")
+                    f"groups={len(groups)} parameters={sum(p._orig_size.numel() for _, g in groups for p in g.fsdp_params)}",
+                    timeout)
     for m, group in groups:
         info = group.mesh_info
         if isinstance(info, HSDPMeshInfo):
