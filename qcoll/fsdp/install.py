@@ -87,9 +87,9 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
         elif isinstance(info, FSDPMeshInfo):
             _check_flat(info, topology)
             _check_hpz(m, group, topology, hpz, weight_bits, root=m is targets[0])
-            group._all_gather_comm = (DefaultAllGather() if weight_bits is None else QuantizedAllGather(
+            m.set_custom_all_gather(DefaultAllGather() if weight_bits is None else QuantizedAllGather(
                 topology, weight_bits, weight_block, [p._orig_size for p in group.fsdp_params]))
-            group._reduce_scatter_comm = (DefaultReduceScatter() if grad_bits is None else QuantizedReduceScatter(
+            m.set_custom_reduce_scatter(DefaultReduceScatter() if grad_bits is None else QuantizedReduceScatter(
                 topology, grad_bits, grad_block, hadamard))
         else:
             raise ValueError(f"quantize_comm: {type(m).__name__} is replicated without sharding ({type(info).__name__}); "
