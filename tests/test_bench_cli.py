@@ -428,7 +428,8 @@ def test_collective_counter_counts_every_call_on_any_group(ranks4):
 
 TRAIN_LAYERS = 1
 TRAIN = ["train", "--nproc", str(W), "--ranks-per-node", str(L), "--modes", "zero3", "zeropp-bf16",
-         "--peer", "fsdp2", "fsdp2-bf16", "--steps", "3", "--warmup", "1", "--batch", "4",
+         "fsdp2-qcoll-bf16", "hsdp-qcoll", "--peer", "fsdp2", "fsdp2-bf16", "hsdp-bf16", "--steps", "3", "--warmup", "1",
+         "--batch", "4",
          "--layers", str(TRAIN_LAYERS), "--d-model", "64", "--heads", "2"]
 
 
@@ -450,7 +451,7 @@ def test_train_fsdp2_bf16_peer_moves_half_the_bytes(train_peers):
     from qcoll.testing import TransformerConfig, char_transformer
 
     runs = train_peers["runs"]
-    assert list(runs) == ["zero3", "zeropp-bf16", "fsdp2", "fsdp2-bf16"]
+    assert list(runs) == ["zero3", "zeropp-bf16", "fsdp2-qcoll-bf16", "hsdp-qcoll", "fsdp2", "fsdp2-bf16", "hsdp-bf16"]
     model = char_transformer(TransformerConfig(context=64, d_model=64, n_layers=TRAIN_LAYERS, n_heads=2), 0)
     shard = sum(math.ceil(p.numel() / W) for p in model.parameters())
     assert runs["fsdp2"]["inter_bytes_per_step"] == 3 * (W - 1) * 4 * shard
@@ -460,6 +461,32 @@ def test_train_fsdp2_bf16_peer_moves_half_the_bytes(train_peers):
     assert runs["zeropp-bf16"]["first_loss"] == pytest.approx(runs["zero3"]["first_loss"], abs=0.02)
     for r in runs.values():
         assert math.isfinite(r["final_loss"])
+
+
+@slow
+def test_train_fsdp2_modes_bytes_and_memory(train_peers):
+    """FSDP2 with qcoll's comms against the FSDP2 peers. Bytes: HSDP's by DESIGN.md's rule (the node's shard,
+    all-reduced across the N nodes: 2 (N-1)/N of it); qcoll's counted by its collectives. Memory: this rank's
+    fp32 parameter shards, gradients and AdamW's two states, 16 bytes per element of its shard (1/W of the model
+    on a 1-D mesh, 1/L on HSDP; FSDP2 pads each parameter's dim 0, so about)."""
+    from qcoll.testing import TransformerConfig, char_transformer
+
+    runs = train_peers["runs"]
+    model = char_transformer(TransformerConfig(context=64, d_model=64, n_layers=TRAIN_LAYERS, n_heads=2), 0)
+    N = W // L
+    node_shard = sum(math.ceil(p.numel() / L) for p in model.parameters())
+    world_shard = sum(math.ceil(p.numel() / W) for p in model.parameters())
+    assert runs["hsdp-bf16"]["inter_bytes_per_step"] == 2 * (N - 1) * 2 * node_shard // N
+    assert 0 < runs["hsdp-qcoll"]["inter_bytes_per_step"] <= 0.3 * runs["hsdp-bf16"]["inter_bytes_per_step"]
+    assert 0 < runs["fsdp2-qcoll-bf16"]["inter_bytes_per_step"] <= 0.15 * runs["fsdp2-bf16"]["inter_bytes_per_step"]
+    for mode in ("fsdp2-qcoll-bf16", "hsdp-qcoll", "hsdp-bf16"):
+        assert runs[mode]["first_loss"] == pytest.approx(runs["fsdp2"]["first_loss"], abs=0.02)
+    for mode, shard in (("fsdp2", world_shard), ("fsdp2-bf16", world_shard), ("fsdp2-qcoll-bf16", world_shard),
+                        ("hsdp-bf16", node_shard), ("hsdp-qcoll", node_shard)):
+        memory = runs[mode]["memory"]
+        assert memory["state"] == pytest.approx(16 * shard, rel=0.1), mode
+        assert memory["peak"] > memory["state"]
+    assert "state_KiB" in train_peers["stdout"] and "peak_KiB" in train_peers["stdout"]
 
 
 @slow
@@ -492,13 +519,14 @@ def test_train_says_where_the_time_goes(train_peers):
     collectives waited for the transport, per operation (none seen for FSDP2); printed under the table."""
     runs, out = train_peers["runs"], train_peers["stdout"]
     known = {"all_gather (across nodes)", "all_gather (inside the node)", "all_gather", "replica_gather",
-             "reduce_scatter", "reduce_scatter (intra-node hop)", "reduce_scatter (inter-node hop)"}
+             "reduce_scatter", "reduce_scatter (intra-node hop)", "reduce_scatter (inter-node hop)",
+             "all_reduce (reduce-scatter)", "all_reduce (all-gather)"}
     for mode, r in runs.items():
         p = r["where_time_goes"]
         phases = p["forward_s"] + p["backward_s"] + p["optimizer_s"]
         assert 0.5 * r["step_time_s"] <= phases <= 1.5 * r["step_time_s"], (mode, phases, r["step_time_s"])
         assert set(p["blocked_s"]) <= known and all(0 <= s <= phases for s in p["blocked_s"].values())
-        assert (p["blocked_s"] == {}) == mode.startswith("fsdp2"), (mode, p["blocked_s"])
+        assert (p["blocked_s"] == {}) == (mode in ("fsdp2", "fsdp2-bf16", "hsdp-bf16")), (mode, p["blocked_s"])
         assert f"  {mode}: forward " in out
     assert {"all_gather (across nodes)", "all_gather (inside the node)", "reduce_scatter"} <= set(
         runs["zero3"]["where_time_goes"]["blocked_s"])
@@ -513,7 +541,8 @@ def test_train_table_shows_collectives_and_the_best_peer(train_peers):
     assert "coll/step" in cols and "vs_best" in cols
     rows = {line.split()[0]: line.split() for line in lines[head + 1:head + 1 + len(runs)]}
     assert set(rows) == set(runs)
-    best = min((r for m, r in runs.items() if m in ("zero3", "fsdp2", "fsdp2-bf16")), key=lambda r: r["step_time_s"])
+    best = min((r for m, r in runs.items() if m in ("zero3", "fsdp2", "fsdp2-bf16", "hsdp-bf16")),
+               key=lambda r: r["step_time_s"])
     for mode, r in runs.items():
         assert int(rows[mode][cols.index("coll/step")]) == r["collectives_per_step"]
         assert r["best_peer"] == best["mode"]

@@ -119,26 +119,36 @@ def test_counter_delta():
 
 
 def test_summary_table_ratios():
-    def mode(name, step, link, colls):
-        return {"mode": name, "step_time_s": step, "link_bytes_per_step": link, "collectives_per_step": colls}
+    def mode(name, step, link, colls, memory=None):
+        return {"mode": name, "step_time_s": step, "link_bytes_per_step": link, "collectives_per_step": colls,
+                "memory": memory or {}}
 
-    runs = [{"link": "100mbit", "result": {"runs": [mode("zero3", 2.0, 4000, 22), mode("zeropp", 0.5, 500, 29),
-                                                     mode("fsdp2", 2.5, 4400, 14),
+    # qcoll.zero's report (state: master + grad + optimizer state = 4 KiB; peak adds secondary and gathered = 5 KiB)
+    # and FSDP2's (state and peak as measured)
+    zero_memory = {"master": 2048, "grad": 1024, "optimizer_state": 1024, "secondary_peak": 512, "gathered_peak": 512}
+    runs = [{"link": "100mbit", "result": {"runs": [mode("zero3", 2.0, 4000, 22),
+                                                     mode("zeropp", 0.5, 500, 29, zero_memory),
+                                                     mode("fsdp2", 2.5, 4400, 14, {"state": 3072, "peak": 4096}),
                                                      mode("fsdp2-bf16", 1.25, 2200, 14)]}},
             {"link": "unlimited", "result": {"runs": [mode("zero3", 0.2, 4000, 22), mode("zeropp", 0.25, 500, 29),
                                                        mode("fsdp2", 0.3, 4400, 14),
                                                        mode("fsdp2-bf16", 0.4, 2200, 14)]}}]
     table = cluster.summary_table(runs).splitlines()
     cols = next(line.split() for line in table if line.split()[:2] == ["link", "mode"])
-    assert cols == ["link", "mode", "step(ms)", "link/step", "coll/step", "vs_zero3", "bytes_x", "vs_fsdp2",
-                    "vs_fsdp2-bf16", "vs_best"]
+    assert cols == ["link", "mode", "step(ms)", "link/step", "coll/step", "vs_zero3", "bytes_x", "state_KiB",
+                    "peak_KiB", "vs_fsdp2", "vs_fsdp2-bf16", "vs_hsdp", "vs_hsdp-bf16", "vs_best"]
     rows = {(line.split()[0], line.split()[1]): line.split()[2:] for line in table
             if line.split()[:1] in (["100mbit"], ["unlimited"])}
     # at 100mbit the fastest peer is FSDP2-bf16, unlimited ZeRO-3 (ZeRO++ is slower there: vs_best < 1)
-    assert rows["100mbit", "zeropp"] == ["500.0", "500", "29", "4.00", "0.125", "5.00", "2.50", "2.50"]
-    assert rows["100mbit", "zero3"] == ["2000.0", "4000", "22", "1.00", "1.000", "1.25", "0.62", "0.62"]
-    assert rows["100mbit", "fsdp2-bf16"] == ["1250.0", "2200", "14", "1.60", "0.550", "2.00", "1.00", "1.00"]
-    assert rows["unlimited", "zeropp"] == ["250.0", "500", "29", "0.80", "0.125", "1.20", "1.60", "0.80"]
+    assert rows["100mbit", "zeropp"] == ["500.0", "500", "29", "4.00", "0.125", "4", "5", "5.00", "2.50", "-", "-",
+                                         "2.50"]
+    assert rows["100mbit", "zero3"] == ["2000.0", "4000", "22", "1.00", "1.000", "-", "-", "1.25", "0.62", "-", "-",
+                                        "0.62"]
+    assert rows["100mbit", "fsdp2"][5:7] == ["3", "4"]
+    assert rows["100mbit", "fsdp2-bf16"] == ["1250.0", "2200", "14", "1.60", "0.550", "-", "-", "2.00", "1.00", "-",
+                                             "-", "1.00"]
+    assert rows["unlimited", "zeropp"] == ["250.0", "500", "29", "0.80", "0.125", "-", "-", "1.20", "1.60", "-", "-",
+                                           "0.80"]
     assert "best peer at 100mbit: fsdp2-bf16 (1250.0 ms)" in table
     assert "best peer at unlimited: zero3 (200.0 ms)" in table
     summary = {(r["link"], r["mode"]): r for r in cluster.summary_rows(runs)}
@@ -152,7 +162,7 @@ def test_summary_table_without_peers():
     runs = [{"link": "1gbit", "result": {"runs": [{"mode": "zeropp", "step_time_s": 0.5, "link_bytes_per_step": 9,
                                                    "collectives_per_step": 29}]}}]
     table = cluster.summary_table(runs)
-    assert table.splitlines()[-1].split() == ["1gbit", "zeropp", "500.0", "9", "29", "-", "-", "-", "-", "-"]
+    assert table.splitlines()[-1].split() == ["1gbit", "zeropp", "500.0", "9", "29"] + ["-"] * 9
     assert "best peer" not in table
 
 

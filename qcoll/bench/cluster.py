@@ -248,7 +248,7 @@ def summary_rows(runs: list[dict]) -> list[dict]:
     """Per link and ``train`` mode: step time, link bytes and collectives per step, and the speed-ups (step-time
     ratios) against ZeRO-3, each FSDP2 peer and the fastest peer at that link (:func:`qcoll.bench.train.best_peer`:
     the fastest of the FSDP2 runs and qcoll's unquantized ZeRO-3 runs); None where the run is missing."""
-    from .train import PEERS, best_peer
+    from .train import PEERS, best_peer, memory_kib
 
     rows = []
     for run in runs:
@@ -267,6 +267,7 @@ def summary_rows(runs: list[dict]) -> list[dict]:
                                       else None),
                    "best_peer": best["mode"] if best else None,
                    "speedup_vs_best_peer": best["step_time_s"] / t if best else None}
+            row["state_kib"], row["peak_kib"] = memory_kib(r.get("memory"))
             for peer in PEERS:
                 row[f"speedup_vs_{peer}"] = modes[peer]["step_time_s"] / t if peer in modes else None
             rows.append(row)
@@ -283,14 +284,17 @@ def summary_table(runs: list[dict]) -> str:
     rows = summary_rows(runs)
     w = max([10] + [len(r["mode"]) for r in rows])
     head = (f"{'link':>10} {'mode':>{w}} {'step(ms)':>9} {'link/step':>11} {'coll/step':>9} {'vs_zero3':>9} "
-            f"{'bytes_x':>8}" + "".join(f" {'vs_' + p:>13}" for p in PEERS) + f" {'vs_best':>8}")
+            f"{'bytes_x':>8} {'state_KiB':>9} {'peak_KiB':>9}" + "".join(f" {'vs_' + p:>13}" for p in PEERS)
+            + f" {'vs_best':>8}")
     lines = ["", "summary (speed-ups are step-time ratios; bytes_x: link bytes per step / ZeRO-3's; coll/step: "
-                 "collectives per rank per step; vs_best: against the fastest peer of FSDP2 and ZeRO-3 at that link)",
+                 "collectives per rank per step; state/peak_KiB: memory per rank, see train's table; vs_best: against the "
+                 "fastest peer of FSDP2, HSDP and ZeRO-3 at that link)",
              head]
     for r in rows:
         lines.append(f"{r['link']:>10} {r['mode']:>{w}} {r['step_time_s'] * 1e3:>9.1f} "
                      f"{round(r['link_bytes_per_step'] or 0):>11} {f(r['collectives_per_step'], 'd'):>9} "
-                     f"{f(r['speedup_vs_zero3'], '.2f'):>9} {f(r['bytes_vs_zero3'], '.3f'):>8}"
+                     f"{f(r['speedup_vs_zero3'], '.2f'):>9} {f(r['bytes_vs_zero3'], '.3f'):>8} "
+                     f"{f(r['state_kib'], '.0f'):>9} {f(r['peak_kib'], '.0f'):>9}"
                      + "".join(f" {f(r['speedup_vs_' + p], '.2f'):>13}" for p in PEERS)
                      + f" {f(r['speedup_vs_best_peer'], '.2f'):>8}")
     for link in dict.fromkeys(r["link"] for r in rows):

@@ -13,7 +13,10 @@ node links (veth counters, :mod:`qcoll.bench.linkmeter`; frames with headers).
 Peers (``--peer``): ``fsdp2`` is ``fully_shard`` on each block and the root in fp32;
 ``fsdp2-bf16`` adds ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=bfloat16)``
 (bf16 all-gathers, forward, backward and reduce-scatter; fp32 sharded parameters and
-AdamW), as users run it. qcoll's ``zero3-bf16`` / ``zeropp-bf16`` are ``zero3`` / ``zeropp`` with
+AdamW), as users run it; ``hsdp`` / ``hsdp-bf16`` are the same on FSDP2's 2-D mesh
+(replicate across nodes, shard inside). qcoll inside FSDP2 (``--modes fsdp2-qcoll
+fsdp2-qcoll-bf16 hsdp-qcoll``): :mod:`qcoll.bench.fsdp_runs`. Memory per rank
+(``state_KiB``, ``peak_KiB``): :func:`memory_kib`. qcoll's ``zero3-bf16`` / ``zeropp-bf16`` are ``zero3`` / ``zeropp`` with
 ``compute_dtype=torch.bfloat16``: ZeRO-3 then gathers 2-byte elements (its gradient
 reduce-scatter stays fp32), ZeRO++ quantizes and gathers bf16 (the same wire bytes as
 in fp32). The *best peer* is the fastest run of an FSDP2 peer or of qcoll's unquantized
@@ -56,7 +59,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from . import adaptive, cli, plot
+from . import adaptive, cli, fsdp_runs, plot
 from .collcount import CollectiveCounter
 from .linkmeter import LinkMeter
 from .ranks import run_ranks
@@ -98,9 +101,8 @@ MODES = {
     "zero3-ring": dict(weight_bits=None, hpz=False, grad_bits=None, hierarchical_gather=False),
     "zeropp-ring": dict(weight_bits=8, hpz=True, grad_bits=4, hierarchical_gather=False),
 }
-# FSDP2 (fully_shard) as users run it: fp32, and with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)
-PEERS = ("fsdp2", "fsdp2-bf16")
-PEER_DTYPES = {"fsdp2": None, "fsdp2-bf16": torch.bfloat16}
+# FSDP2 (fully_shard) as users run it, 1-D and HSDP, fp32 and bf16 (fsdp_runs.py)
+PEERS = fsdp_runs.PEERS
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
@@ -125,11 +127,14 @@ def check_model_options(parser: argparse.ArgumentParser, args: argparse.Namespac
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(NAME, help="train the char transformer with ZeRO-3, ZeRO++ and FSDP2 side by side",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--modes", nargs="+", default=["zero3", "zeropp"], choices=list(MODES), metavar="MODE",
-                   help=f"qcoll configurations to run, of {' '.join(MODES)} (default zero3 zeropp)")
+    p.add_argument("--modes", nargs="+", default=["zero3", "zeropp"], choices=list(MODES) + list(fsdp_runs.QCOLL_MODES),
+                   metavar="MODE", help=f"qcoll configurations to run, of {' '.join(MODES)}; and qcoll's comms "
+                                        f"inside FSDP2: fsdp2-qcoll (fp32), fsdp2-qcoll-bf16 (bf16 policy), hsdp-qcoll "
+                                        f"(bf16 HSDP, 4-bit cross-node all-reduce) (default zero3 zeropp)")
     p.add_argument("--peer", nargs="*", default=[], choices=PEERS, metavar="PEER",
                    help="also run PyTorch FSDP2 (fully_shard): fsdp2 (fp32), fsdp2-bf16 (MixedPrecisionPolicy "
-                        "param_dtype=reduce_dtype=bf16)")
+                        "param_dtype=reduce_dtype=bf16), hsdp, hsdp-bf16 (the same on a 2-D mesh: replicate "
+                        "across nodes, shard inside)")
     p.add_argument("--steps", type=cli.positive_int, default=20, help="training steps per mode (default 20)")
     add_model_options(p)
     p.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
@@ -166,8 +171,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--warmup {args.warmup} must be smaller than --steps {args.steps}")
     if args.adaptive_batch is not None and not 0 < args.adaptive_batch < 1:
         parser.error(f"--adaptive-batch must be a cosine in (0, 1), got {args.adaptive_batch}")
-    if args.adaptive_batch is not None and args.peer:
-        parser.error(f"--adaptive-batch runs qcoll modes only; drop --peer {' '.join(args.peer)}")
+    if args.adaptive_batch is not None and (args.peer or set(args.modes) & set(fsdp_runs.RUNS)):
+        parser.error("--adaptive-batch runs qcoll.zero's modes only (no --peer, no FSDP2 modes)")
     if args.stop_at_target and args.target_loss is None:
         parser.error("--stop-at-target needs --target-loss")
     if args.target_loss is not None and args.loss_window > args.steps:
@@ -294,31 +299,6 @@ def _run_qcoll(args, mode, topo):
     return losses, seconds, intra, inter, link, memory, times, colls, profile
 
 
-def _run_fsdp2(args, topo, dtype=None):
-    """FSDP2 over the world: ``fully_shard`` on each block and on the root; with ``dtype`` (bf16) a
-    ``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)``, as users configure it."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    model = build_model(args)
-    mesh = init_device_mesh("cpu", (topo.world_size,))
-    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)} if dtype is not None else {}
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, **kw)
-    fully_shard(model, mesh=mesh, **kw)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    losses, seconds, _, link, times, colls, profile = _steps(args, model, opt, topo.rank, topo.world_size)
-    # FSDP2 moves all-gathers (forward and backward) and a reduce-scatter over the world group per unit,
-    # of 4-byte (fp32) or, with the bf16 policy, 2-byte elements; counted by DESIGN.md's rule, with the
-    # world spanning nodes (inter-node).
-    W = topo.world_size
-    elem = torch.tensor([], dtype=dtype or torch.float32).element_size()
-    shard_elems = sum(-(-p.numel() // W) for p in build_model(args).parameters())
-    inter = 3 * (W - 1) * elem * shard_elems if topo.num_nodes > 1 else 0
-    intra = 0 if topo.num_nodes > 1 else 3 * (W - 1) * elem * shard_elems
-    return losses, seconds, intra, inter, link, {}, times, colls, profile
-
-
 def is_peer(mode: str) -> bool:
     """The configurations ZeRO++ is measured against: FSDP2 (:data:`PEERS`) and qcoll's unquantized ZeRO-3."""
     return mode in PEERS or mode in ("zero3", "zero3-bf16")
@@ -340,8 +320,8 @@ def _rank_main(args) -> None:
         if args.adaptive_batch is not None:
             runs.append(_adaptive_run(args, mode, topo))
             continue
-        if mode in PEERS:
-            run = _run_fsdp2(args, topo, PEER_DTYPES[mode])
+        if mode in fsdp_runs.RUNS:
+            run = fsdp_runs.run(args, mode, topo, build_model, _steps)
         else:
             run = _run_qcoll(args, mode, topo)
         losses, seconds, intra, inter, link, memory, times, colls, profile = run
@@ -407,13 +387,25 @@ def format_adaptive(r: dict) -> str:
     return "\n".join(lines)
 
 
+def memory_kib(memory: dict) -> tuple[float | None, float | None]:
+    """(state, peak) KiB per rank from a run's ``memory``: qcoll.zero's report (master shards,
+    gradients, optimizer state; peak adds the hpZ secondary and the most gathered parameters)
+    or FSDP2's (:mod:`qcoll.bench.fsdp_runs`)."""
+    if not memory:
+        return None, None
+    if "state" in memory:
+        return memory["state"] / 1024, memory["peak"] / 1024
+    state = memory.get("master", 0) + memory.get("grad", 0) + memory.get("optimizer_state", 0)
+    return state / 1024, (state + memory.get("secondary_peak", 0) + memory.get("gathered_peak", 0)) / 1024
+
+
 def format_table(runs: list[dict]) -> str:
     metered = any(r.get("link_bytes_per_step") is not None for r in runs)
     targeted = any(r.get("steps_to_target") is not None for r in runs)
     peered = any(r.get("speedup_vs_best_peer") for r in runs)
     w = max([10] + [len(r["mode"]) for r in runs])
     head = (f"{'mode':>{w}} {'step(ms)':>9} {'tokens/s':>9} {'loss0':>7} {'loss':>7} {'intra/step':>11} "
-            f"{'inter/step':>11} {'coll/step':>9} {'speedup':>8} {'inter_x':>8}")
+            f"{'inter/step':>11} {'coll/step':>9} {'state_KiB':>9} {'peak_KiB':>9} {'speedup':>8} {'inter_x':>8}")
     if peered:
         head += f" {'vs_best':>8}"
     if metered:
@@ -426,9 +418,12 @@ def format_table(runs: list[dict]) -> str:
         ir = f"{r['inter_ratio_vs_zero3']:.3f}" if r["inter_ratio_vs_zero3"] is not None else "-"
         intra = r["intra_bytes_per_step"] if r["intra_bytes_per_step"] is not None else "-"
         colls = r.get("collectives_per_step")
+        state, peak = memory_kib(r.get("memory"))
         line = (f"{r['mode']:>{w}} {r['step_time_s'] * 1e3:>9.1f} {r['tokens_per_s']:>9.0f} "
                 f"{r['first_loss']:>7.3f} {r['final_loss']:>7.3f} {intra:>11} "
-                f"{r['inter_bytes_per_step']:>11} {colls if colls is not None else '-':>9} {sp:>8} {ir:>8}")
+                f"{r['inter_bytes_per_step']:>11} {colls if colls is not None else '-':>9} "
+                f"{f'{state:.0f}' if state is not None else '-':>9} {f'{peak:.0f}' if peak is not None else '-':>9} "
+                f"{sp:>8} {ir:>8}")
         if peered:
             vb = r.get("speedup_vs_best_peer")
             line += f" {f'{vb:.2f}' if vb else '-':>8}"
@@ -439,6 +434,8 @@ def format_table(runs: list[dict]) -> str:
             n, sec = r.get("samples_to_target"), r.get("time_to_target_s")
             line += f" {n if n is not None else '-':>11} {f'{sec:.1f}' if sec is not None else '-':>7}"
         lines.append(line)
+    lines.append("state_KiB: this rank's parameter shards, gradients and AdamW state after a step; peak_KiB: "
+                 "state plus the most gathered parameters and hpZ / post-forward shards held at once")
     best = next((r["best_peer"] for r in runs if r.get("best_peer")), None)
     if peered and best:
         lines.append(f"coll/step: collectives each rank issues per timed step; vs_best: speed-up vs the fastest "
