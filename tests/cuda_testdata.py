@@ -10,6 +10,29 @@ NEEDS_GPU = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
 ]
 
+def world_of_one():
+    """A generator for a module fixture: a world of one rank in this process on the
+    ``cpu:gloo,cuda:nccl`` backend (CPU tensors through gloo, CUDA ones through NCCL); yields
+    its ``qcoll.Topology(1)`` and destroys the group afterwards."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    import qcoll
+
+    pytest.importorskip("cupy")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda", 0))
+    yield qcoll.Topology(1)
+    dist.destroy_process_group()
+
+
 BITS = (8, 6, 4, 2)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -9,8 +9,6 @@ reference codec) is the oracle, bit for bit.
 """
 from __future__ import annotations
 
-import datetime
-import socket
 
 import pytest
 import torch
@@ -18,23 +16,14 @@ import torch.distributed as dist
 
 import qcoll
 import qcoll.fsdp.comms as comms
-from cuda_testdata import NEEDS_GPU
+from cuda_testdata import NEEDS_GPU, world_of_one
 
 pytestmark = NEEDS_GPU
 
 
 @pytest.fixture(scope="module")
 def topo():
-    pytest.importorskip("cupy")
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda", 0))
-    yield qcoll.Topology(1)
-    dist.destroy_process_group()
+    yield from world_of_one()
 
 
 def _in_side_stream(dev: str, call) -> None:
