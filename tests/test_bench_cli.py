@@ -569,3 +569,27 @@ def argparse_subparsers():
     import argparse
 
     return argparse.ArgumentParser().add_subparsers()
+
+
+def test_break_even_from_measured_times_and_bytes():
+    """By hand: quantized 300 us / 800 B against fp32 100 us / 3000 B breaks even where
+    2200 B / 200 us = 11e6 B/s = 88 Mbit/s; against bf16 (100 us, 1500 B), 700 B / 200 us = 28 Mbit/s."""
+    from qcoll.bench import breakeven
+
+    assert breakeven.break_even_bits_per_s(300e-6, 800, 100e-6, 3000) == pytest.approx(88e6)
+    assert breakeven.break_even_bits_per_s(300e-6, 800, 100e-6, 1500) == pytest.approx(28e6)
+    assert breakeven.break_even_bits_per_s(50e-6, 800, 100e-6, 3000) == math.inf     # faster and smaller
+    assert breakeven.break_even_bits_per_s(300e-6, 3000, 100e-6, 3000) == 0.0       # slower, no bytes saved
+    rows = [{"op": "all_gather", "variant": v, "bits": b, "size": 4096, "time_us": t, "wire_bytes": w}
+            for v, b, t, w in (("fp32", None, 100, 3000), ("bf16", None, 100, 1500), ("qwZ8", 8, 300, 800),
+                               ("qwZ8-raw", 8, 1, 1))]
+    rows += [{"op": "reduce_scatter", "variant": v, "bits": b, "size": 4096, "time_us": t, "wire_bytes": w}
+             for v, b, t, w in (("fp32", None, 100, 2000), ("qgZ4", 4, 500, 600))]
+    summary = {s["variant"]: s for s in breakeven.summary_rows(rows)}
+    assert set(summary) == {"qwZ8", "qgZ4"}
+    assert summary["qwZ8"]["bytes_vs_fp32"] == pytest.approx(800 / 3000)
+    assert summary["qwZ8"]["break_even_vs_bf16"] == pytest.approx(28e6)
+    # no bf16 reduce-scatter: half fp32's bytes at fp32's time -> (1000 - 600) B / 400 us = 8 Mbit/s
+    assert summary["qgZ4"]["break_even_vs_bf16"] == pytest.approx(8e6)
+    text = breakeven.format_summary(rows)
+    assert "88.0 Mbit/s" in text and "28.0 Mbit/s" in text and "qcoll-bench cluster" in text

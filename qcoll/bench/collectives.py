@@ -59,7 +59,7 @@ import torch.distributed as dist
 from .. import comm
 from ..comm import framing, stats
 from ..quant import DEFAULT_GRAD_BLOCK, DEFAULT_WEIGHT_BLOCK, VALID_BITS
-from . import cli
+from . import breakeven, cli
 from .ranks import run_ranks
 from . import progress as progress_bar
 from .sizes import format_size, parse_size, sweep
@@ -118,7 +118,9 @@ def _rank_main(args) -> None:
     rows = run(args)
     if dist.get_rank() != 0:
         return
+    print(breakeven.LEGEND, flush=True)
     print(format_table(rows), flush=True)
+    print(breakeven.format_summary(rows), flush=True)
     world = dist.get_world_size()
     if args.json:
         cli.write_json(args.json, {
