@@ -24,7 +24,8 @@ def test_to_target_uses_the_running_mean_of_the_step_losses():
 
 ARG_ERRORS = [
     (["--adaptive-batch", "1.5"], "cosine in (0, 1)"),
-    (["--adaptive-batch", "0.8", "--peer", "fsdp2"], "qcoll modes only"),
+    (["--adaptive-batch", "0.8", "--peer", "fsdp2"], "qcoll.zero's modes only"),
+    (["--adaptive-batch", "0.8", "--modes", "fsdp2-qcoll"], "no FSDP2 modes"),
     (["--steps", "5", "--target-loss", "2", "--loss-window", "6"], "must not exceed --steps"),
     (["--stop-at-target"], "needs --target-loss"),
     (["--max-accumulation", "0"], "must be >= 1"),

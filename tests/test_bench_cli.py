@@ -130,9 +130,16 @@ def test_json_schema(sweep):
 
 @slow
 def test_table_and_plot(sweep):
+    """A legend of the columns, the table (head, units, one line per row), then the summary."""
     lines = sweep["stdout"].strip().splitlines()
-    assert "algbw" in lines[0] and "busbw" in lines[0]
-    assert len(lines) == 2 + len(sweep["rows"])
+    head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["op", "variant"])
+    assert "algbw" in lines[head] and "busbw" in lines[head]
+    assert lines[0].startswith("columns:") and head > 0
+    after = lines[head + 2 + len(sweep["rows"]):]
+    assert after[0].startswith("summary at") and "qcoll-bench cluster" in after[-1]
+    variants = {line.split()[1] for line in after[2:] if line.split()[:1] in (["all_gather"], ["reduce_scatter"],
+                                                                                 ["replica_gather"])}
+    assert variants == {r["variant"] for r in sweep["rows"] if r["bits"] is not None and "raw" not in r["variant"]}
     assert "Traceback" not in sweep["stderr"]
     if _has_matplotlib():
         with open(sweep["dir"] / "bw.png", "rb") as f:
