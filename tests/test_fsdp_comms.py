@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import qcoll
 from qcoll.comm import stats
-from qcoll.fsdp import QuantizedAllGather, quantize_comm
+from qcoll.fsdp import QuantizedAllGather, handshake, quantize_comm
 from qcoll.testing import Batches, corpus, train_steps
 from qcoll.testing.fsdp2 import fsdp2_transformer
 
@@ -187,11 +187,35 @@ def test_bad_input_is_a_clear_error(ranks4, case, error, words):
     assert error.__name__ in str(e.value) and words in str(e.value)
 
 
+def _user_hook_on_hsdp(rank, world):
+    from qcoll.fsdp import hybrid
+
+    model = fsdp2_transformer(hsdp=True)
+    model.blocks[1].set_all_reduce_hook(lambda grad: None)
+    try:
+        quantize_comm(model, qcoll.Topology(2))
+    except ValueError as e:
+        groups = [g for m in (model.blocks[0], model) for g in m._get_fsdp_state()._fsdp_param_groups]
+        untouched = all(not hasattr(g.mesh_info, hybrid.ORIGINAL_ATTR) and g._all_reduce_hook is None for g in groups)
+        return str(e), untouched
+    return None, None
+
+
+def test_an_error_leaves_the_model_as_it_was(ranks4):
+    """A user's all-reduce hook on one HSDP block: a ValueError naming it, and no other group was
+    changed (every check runs before any comm is installed)."""
+    for message, untouched in ranks4.run(_user_hook_on_hsdp, timeout=120):
+        assert message and "already has an all-reduce hook of the user's" in message
+        assert untouched
+
+
 def _some_ranks_only(rank, world):
     topo = qcoll.Topology(2)                 # (building one is collective: every rank does)
     model = fsdp2_transformer(reshard_after_forward=2)
     if rank < 2:
         quantize_comm(model, topo, timeout=datetime.timedelta(seconds=3))
+    else:      # (test only: keep the ranks' call counts equal, so the pool serves the next tests)
+        next(handshake._calls)
 
 
 def _other_arguments(rank, world):
@@ -201,14 +225,11 @@ def _other_arguments(rank, world):
 def test_quantize_comm_on_some_ranks_only_names_them(ranks4):
     """Ranks 0-1 call it, 2-3 do not: the callers name ranks 2 and 3 (which, were they to go
     on, would time out in FSDP2's own all-gather: nothing of qcoll's runs there)."""
-    try:
-        with pytest.raises(Exception) as e:
-            ranks4.run(_some_ranks_only, timeout=120)
-        assert set(e.value.errors) == {0, 1}
-        for rank in (0, 1):
-            assert "ranks [2, 3] did not call it within 0:00:03" in e.value.errors[rank]
-    finally:
-        ranks4.close()       # the ranks' quantize_comm call counts now differ: start afresh
+    with pytest.raises(Exception) as e:
+        ranks4.run(_some_ranks_only, timeout=120)
+    assert set(e.value.errors) == {0, 1}
+    for rank in (0, 1):
+        assert "ranks [2, 3] did not call it within 0:00:03" in e.value.errors[rank]
 
 
 def test_quantize_comm_with_other_arguments_on_one_rank(ranks4):

@@ -55,16 +55,21 @@ class QuantizedAllReduceHook:
                              op="avg" if factor is None else "sum")
 
 
-def install(param_group, topology: Topology, bits: int, block_size: int) -> None:
-    """Quantize ``param_group``'s (an FSDP2 ``FSDPParamGroup`` on an HSDP mesh) all-reduce."""
-    mesh_info = param_group.mesh_info
-    if not hasattr(mesh_info, ORIGINAL_ATTR):
-        setattr(mesh_info, ORIGINAL_ATTR, mesh_info.replicate_process_group)
+def check_installable(param_group) -> None:
+    """A ``ValueError`` when the group already has an all-reduce hook of the user's."""
     hook = param_group._all_reduce_hook
     if hook is not None and not isinstance(hook, QuantizedAllReduceHook):
         raise ValueError(f"{param_group!r} already has an all-reduce hook of the user's ({hook!r}); qcoll's "
                          f"quantized HSDP all-reduce is installed as that hook: remove yours "
                          f"(set_all_reduce_hook) or pass quantize_comm(grad_bits=None)")
+
+
+def install(param_group, topology: Topology, bits: int, block_size: int) -> None:
+    """Quantize ``param_group``'s (an FSDP2 ``FSDPParamGroup`` on an HSDP mesh) all-reduce."""
+    check_installable(param_group)
+    mesh_info = param_group.mesh_info
+    if not hasattr(mesh_info, ORIGINAL_ATTR):
+        setattr(mesh_info, ORIGINAL_ATTR, mesh_info.replicate_process_group)
     mesh_info.replicate_process_group = _singleton_group(topology.world_size)
     param_group._all_reduce_hook = QuantizedAllReduceHook(getattr(mesh_info, ORIGINAL_ATTR), bits, block_size,
                                                           param_group)

@@ -76,24 +76,29 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
                     f"grad_block={grad_block} hpz={hpz} hadamard={hadamard} ranks_per_node={topology.ranks_per_node} "
                     f"groups={len(groups)} parameters={sum(p._orig_size.numel() for _, g in groups for p in g.fsdp_params)}",
                     timeout)
-    for m, group in groups:
+    for m, group in groups:          # every check before any change: an error leaves the model as it was
         info = group.mesh_info
         if isinstance(info, HSDPMeshInfo):
             _check_hsdp(info, topology)
+            if grad_bits is not None:
+                hybrid.check_installable(group)
+        elif isinstance(info, FSDPMeshInfo):
+            _check_flat(info, topology)
+            _check_hpz(m, group, topology, hpz, weight_bits, root=m is targets[0])
+        else:
+            raise ValueError(f"quantize_comm: {type(m).__name__} is replicated without sharding ({type(info).__name__}); "
+                             f"qcoll quantizes FSDP2's sharded (1-D) and HSDP (2-D) meshes")
+    for m, group in groups:
+        if isinstance(group.mesh_info, HSDPMeshInfo):
             if grad_bits is None:
                 hybrid.uninstall(group)
             else:
                 hybrid.install(group, topology, _inter_bits(grad_bits), grad_block)
-        elif isinstance(info, FSDPMeshInfo):
-            _check_flat(info, topology)
-            _check_hpz(m, group, topology, hpz, weight_bits, root=m is targets[0])
-            m.set_custom_all_gather(DefaultAllGather() if weight_bits is None else QuantizedAllGather(
-                topology, weight_bits, weight_block, [p._orig_size for p in group.fsdp_params]))
-            m.set_custom_reduce_scatter(DefaultReduceScatter() if grad_bits is None else QuantizedReduceScatter(
-                topology, grad_bits, grad_block, hadamard))
-        else:
-            raise ValueError(f"quantize_comm: {type(m).__name__} is replicated without sharding ({type(info).__name__}); "
-                             f"qcoll quantizes FSDP2's sharded (1-D) and HSDP (2-D) meshes")
+            continue
+        m.set_custom_all_gather(DefaultAllGather() if weight_bits is None else QuantizedAllGather(
+            topology, weight_bits, weight_block, [p._orig_size for p in group.fsdp_params]))
+        m.set_custom_reduce_scatter(DefaultReduceScatter() if grad_bits is None else QuantizedReduceScatter(
+            topology, grad_bits, grad_block, hadamard))
     return targets
 
 
