@@ -143,25 +143,18 @@ def llama_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_hf_trainer_on_a_transformers_sharded_hsdp_model_with_the_callback(llama_dir):
-    """Transformers' own HSDP sharding at load time (DistributedConfig(fsdp_size=2,
-    dp_replicate_size=2)), the Trainer, QuantizeCommCallback: the quantized cross-node all-reduce
-    ran (an all-to-all and an all-gather per parameter group and step). (The 1-D mesh is the same
-    callback on FSDP2's 1-D path, which the script above and tests/test_fsdp_*.py cover; one
-    Trainer launch costs ~13 s of the suite's budget.)"""
-    rc, out, err = _trainer(llama_dir, "--hsdp")
+def test_hf_trainer_refused_by_accelerate_on_cpu_then_on_a_transformers_sharded_hsdp_model(llama_dir):
+    """One launch, two Trainers. (1) Accelerate's FSDP2 plugin shards on GPUs only: on CPU the Trainer
+    runs MULTI_CPU (DDP), no FSDP module exists, and the callback raises instead of training
+    unquantized. (2) Transformers' own HSDP sharding at load time (DistributedConfig(fsdp_size=2,
+    dp_replicate_size=2)), the Trainer, QuantizeCommCallback: the quantized cross-node all-reduce ran
+    (an all-to-all and an all-gather per parameter group and step). The 1-D mesh is the same callback
+    on FSDP2's 1-D path, which the script above and tests/test_fsdp_*.py cover."""
+    rc, out, err = _trainer(llama_dir, "--hsdp", "--accelerate-fsdp")
     assert rc == 0, err[-3000:]
+    assert "accelerate fsdp: ValueError: quantize_comm: no FSDP2 module under LlamaForCausalLM" in out
     m = re.search(r"modules (\d+) loss ([\d.]+) calls (.*)", out)
     assert m, out
     calls = dict(ast.literal_eval(m.group(3)))
     assert int(m.group(1)) > 1 and math.isfinite(float(m.group(2)))
     assert calls["all_to_all"] == calls["all_gather"] > 0
-
-
-@pytest.mark.slow
-def test_accelerate_leaves_fsdp_off_on_cpu_and_the_callback_refuses(llama_dir):
-    """Accelerate's FSDP2 plugin shards on GPUs only: on CPU the Trainer runs MULTI_CPU (DDP), no
-    FSDP module exists, and the callback raises instead of training unquantized."""
-    rc, out, err = _trainer(llama_dir, "--accelerate-fsdp")
-    assert rc != 0
-    assert "quantize_comm: no FSDP2 module under LlamaForCausalLM" in err
