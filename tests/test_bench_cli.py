@@ -86,8 +86,8 @@ def expected_wire(op: str, variant: str, bits, size: int) -> tuple[int, int, int
     if op == "replica_gather":    # node-local all-gather of N framed primary shards: (L-1) x N x frame
         return (L - 1) * N * (H + packed_nbytes(n, bits, WEIGHT_BLOCK)), 0, (L - 1) * N * H
     assert op == "reduce_scatter"
-    if variant == "fp32":         # reduce_scatter_tensor: (W-1)/W x input bytes (4*W*n), over the world
-        return 0, (W - 1) * 4 * n, 0
+    if variant in ("fp32", "bf16"):   # reduce_scatter_tensor: (W-1)/W x input bytes (4 or 2 x W*n), over the world
+        return 0, (W - 1) * {"fp32": 4, "bf16": 2}[variant] * n, 0
     # qgZ: every destination slice is packed on its own; hop 1 sends each of the other L-1 local peers one
     # frame holding N slices, hop 2 each of the other N-1 nodes' peers one frame of one (requantized) slice.
     # Chunks cut slices at block multiples, so the packed bytes do not depend on them; each chunk, hop and
@@ -102,7 +102,7 @@ def expected_variants():
     quantized = lambda vs: [x for v in vs for x in (v, f"{v}-raw")]  # noqa: E731  (--header-cost)
     return ([("all_gather", v) for v in ["fp32", "bf16"] + quantized(("qwZ8", "qwZ6", "qwZ4", "qwZ2"))]
             + [("replica_gather", v) for v in quantized(("hpZ8",))]
-            + [("reduce_scatter", v) for v in ["fp32"] + quantized(("qgZ4", f"qgZ4x{CHUNKS}"))])
+            + [("reduce_scatter", v) for v in ["fp32", "bf16"] + quantized(("qgZ4", f"qgZ4x{CHUNKS}"))])
 
 
 @slow
@@ -230,6 +230,9 @@ def test_reduce_scatter_errors_within_two_hop_bound(sweep):
         ratio = sum(float(x.abs().max()) for x in inputs) / float(ref.abs().max())
         by = {r["variant"]: r for r in rows if r["size"] == size}
         assert by["fp32"]["max_err"] == 0
+        # bf16: each input rounded (2**-8 |x_r|), then W - 1 additions each rounded (2**-8 of a partial sum,
+        # itself at most sum_r M_r, to bf16's precision): at most W 2**-8 sum_r M_r, relative: W 2**-8 ratio
+        assert 0 < by["bf16"]["max_err"] <= W * 2 ** -8 * ratio * 1.05, (size, by["bf16"]["max_err"])
         for v in ("qgZ4", f"qgZ4x{CHUNKS}"):
             bound = ratio / _qmax(4) + W * FP32_SLACK * ratio
             assert 0 < by[v]["max_err"] <= bound, (v, size, by[v]["max_err"], bound)
@@ -587,16 +590,42 @@ def test_break_even_from_measured_times_and_bytes():
     assert breakeven.break_even_bits_per_s(300e-6, 800, 100e-6, 1500) == pytest.approx(28e6)
     assert breakeven.break_even_bits_per_s(50e-6, 800, 100e-6, 3000) == math.inf     # faster and smaller
     assert breakeven.break_even_bits_per_s(300e-6, 3000, 100e-6, 3000) == 0.0       # slower, no bytes saved
+    # 6.1 ms / 196,608 B against 3.4 ms / 786,432 B: 4,718,592 bits / 2.7 ms = 1,747,626,667 bit/s = 1.75 Gbit/s
+    assert breakeven.break_even_bits_per_s(6.1e-3, 196608, 3.4e-3, 786432) == pytest.approx(1.7476267e9, rel=1e-6)
+    assert breakeven.format_rate(1.7476267e9) == "1.75 Gbit/s" and breakeven.format_rate(88e6) == "88.0 Mbit/s"
+    assert (breakeven.format_rate(math.inf), breakeven.format_rate(0.0)) == ("always", "never")
     rows = [{"op": "all_gather", "variant": v, "bits": b, "size": 4096, "time_us": t, "wire_bytes": w}
             for v, b, t, w in (("fp32", None, 100, 3000), ("bf16", None, 100, 1500), ("qwZ8", 8, 300, 800),
                                ("qwZ8-raw", 8, 1, 1))]
     rows += [{"op": "reduce_scatter", "variant": v, "bits": b, "size": 4096, "time_us": t, "wire_bytes": w}
              for v, b, t, w in (("fp32", None, 100, 2000), ("qgZ4", 4, 500, 600))]
+    rows += [{"op": "all_gather", "variant": "qwZ8", "bits": 8, "size": 1024, "time_us": 1, "wire_bytes": 1}]
     summary = {s["variant"]: s for s in breakeven.summary_rows(rows)}
-    assert set(summary) == {"qwZ8", "qgZ4"}
+    assert set(summary) == {"qwZ8", "qgZ4"} and summary["qwZ8"]["size"] == 4096   # the largest size only
     assert summary["qwZ8"]["bytes_vs_fp32"] == pytest.approx(800 / 3000)
+    assert summary["qwZ8"]["bytes_vs_bf16"] == pytest.approx(800 / 1500)
     assert summary["qwZ8"]["break_even_vs_bf16"] == pytest.approx(28e6)
     # no bf16 reduce-scatter: half fp32's bytes at fp32's time -> (1000 - 600) B / 400 us = 8 Mbit/s
     assert summary["qgZ4"]["break_even_vs_bf16"] == pytest.approx(8e6)
+    assert summary["qgZ4"]["break_even_vs_fp32"] == pytest.approx(28e6)   # 1400 B / 400 us
+    assert "(reduce_scatter has no bf16 row" in breakeven.format_summary(rows)
+    # a measured bf16 reduce-scatter (60 us, 1000 B) is used instead: 400 B / 440 us = 7.2727 Mbit/s
+    rows += [{"op": "reduce_scatter", "variant": "bf16", "bits": None, "size": 4096, "time_us": 60,
+              "wire_bytes": 1000}]
+    summary = {s["variant"]: s for s in breakeven.summary_rows(rows)}
+    assert summary["qgZ4"]["break_even_vs_bf16"] == pytest.approx(7.2727e6, rel=1e-4)
     text = breakeven.format_summary(rows)
-    assert "88.0 Mbit/s" in text and "28.0 Mbit/s" in text and "qcoll-bench cluster" in text
+    assert "88.0 Mbit/s" in text and "28.0 Mbit/s" in text and "7.3 Mbit/s" in text and "qcoll-bench cluster" in text
+    assert "summary at size 4K" in text and "no bf16 row" not in text
+    assert text.splitlines()[-1] == breakeven.WHERE_IT_PAYS                    # on loopback: where to see it pay
+    cluster = breakeven.format_summary(rows, on_cluster=True).splitlines()   # measured on the cluster's links
+    assert breakeven.WHERE_IT_PAYS not in cluster and "rate-limited" in cluster[-1]
+
+
+def test_legend_names_every_column_of_the_table():
+    """One legend line per column heading of the table, in the table's order."""
+    from qcoll.bench import breakeven
+
+    heads = collectives.format_table([]).splitlines()[0].split()
+    named = [line.split()[0] for line in breakeven.LEGEND.splitlines()[1:] if not line.startswith("   " * 4)]
+    assert named == heads

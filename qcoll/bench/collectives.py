@@ -6,8 +6,8 @@ For every message size of the sweep (``--min``, ``--max``, ``--factor``) it runs
   ``qwZ<b>`` for each ``--bits`` (block 256);
 - ``replica_gather``: ``hpZ8``, the node-local backward gather of the secondary
   shard that a ``qwZ8`` forward gather kept;
-- ``reduce_scatter``: ``fp32`` (``reduce_scatter_tensor``), ``qgZ<b>`` (``--grad-bits``,
-  block 128) unchunked and ``qgZ<b>x<k>`` with ``--chunks k``.
+- ``reduce_scatter``: ``fp32`` and ``bf16`` (``reduce_scatter_tensor``), ``qgZ<b>``
+  (``--grad-bits``, block 128) unchunked and ``qgZ<b>x<k>`` with ``--chunks k``.
 
 Each point runs ``--warmup`` untimed iterations, then ``--iters`` timed ones (a
 barrier before each); a rank's time is the median of its iterations, the row's
@@ -50,6 +50,7 @@ Inputs are ``torch.randn`` from :func:`gather_shard` and :func:`reduce_input`
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -59,7 +60,7 @@ import torch.distributed as dist
 from .. import comm
 from ..comm import framing, stats
 from ..quant import DEFAULT_GRAD_BLOCK, DEFAULT_WEIGHT_BLOCK, VALID_BITS
-from . import breakeven, cli
+from . import breakeven, cli, linkmeter
 from .ranks import run_ranks
 from . import progress as progress_bar
 from .sizes import format_size, parse_size, sweep
@@ -77,7 +78,7 @@ HPZ_BITS = 8
 def register(subparsers) -> argparse.ArgumentParser:
     c = subparsers.add_parser(NAME, help="sweep message sizes for all-gather, replica gather, reduce-scatter",
                               description="Baseline vs quantized all-gather (fp32, bf16, qwZ), replica gather "
-                                          "(hpZ) and reduce-scatter (fp32, qgZ unchunked and chunked) over a "
+                                          "(hpZ) and reduce-scatter (fp32, bf16, qgZ unchunked and chunked) over a "
                                           "sweep of message sizes.",
                               epilog="Sizes take K, M, G suffixes (powers of 1024). The JSON schema is documented "
                                      "in the qcoll.bench.collectives module docstring.")
@@ -120,7 +121,7 @@ def _rank_main(args) -> None:
         return
     print(breakeven.LEGEND, flush=True)
     print(format_table(rows), flush=True)
-    print(breakeven.format_summary(rows), flush=True)
+    print(breakeven.format_summary(rows, on_cluster=bool(os.environ.get(linkmeter.ENV))), flush=True)
     world = dist.get_world_size()
     if args.json:
         cli.write_json(args.json, {
@@ -282,6 +283,10 @@ class _Point:
         topo = self.topo
         rows = self.measure("reduce_scatter", "fp32",
                             lambda: comm.reduce_scatter_quantized(ref, full, bits=None, topology=topo))
+        fb, ob = full.bfloat16(), torch.empty(S, dtype=torch.bfloat16)
+        rows += self.measure("reduce_scatter", "bf16",
+                             lambda: comm.reduce_scatter_quantized(ob, fb, bits=None, topology=topo),
+                             ob, ref, dtype=torch.bfloat16)
         for c in sorted({1, self.args.chunks}):
             out = torch.empty(S)
             fn = lambda c=c, out=out: comm.reduce_scatter_quantized(  # noqa: E731
@@ -293,7 +298,7 @@ class _Point:
 
 def variants_per_point(args) -> int:
     quantized = len(args.bits) + 1 + len({1, args.chunks})
-    return 2 + 1 + quantized * (2 if args.header_cost else 1)
+    return 2 + 2 + quantized * (2 if args.header_cost else 1)   # fp32 and bf16 baselines of both ops
 
 
 def step_weight(size: int) -> float:

@@ -16,11 +16,13 @@ Peers (``--peer``): ``fsdp2`` is ``fully_shard`` on each block and the root in f
 AdamW), as users run it; ``hsdp`` / ``hsdp-bf16`` are the same on FSDP2's 2-D mesh
 (replicate across nodes, shard inside). qcoll inside FSDP2 (``--modes fsdp2-qcoll
 fsdp2-qcoll-bf16 hsdp-qcoll``): :mod:`qcoll.bench.fsdp_runs`. Memory per rank
-(``state_KiB``, ``peak_KiB``): :func:`memory_kib`. qcoll's ``zero3-bf16`` / ``zeropp-bf16`` are ``zero3`` / ``zeropp`` with
-``compute_dtype=torch.bfloat16``: ZeRO-3 then gathers 2-byte elements (its gradient
-reduce-scatter stays fp32), ZeRO++ quantizes and gathers bf16 (the same wire bytes as
-in fp32). The *best peer* is the fastest run of an FSDP2 peer or of qcoll's unquantized
-``zero3`` / ``zero3-bf16``: the configurations ZeRO++ is measured against.
+(``state_KiB``, ``peak_KiB``): :func:`qcoll.bench.train_report.memory_kib` (the table, the
+profile and the plot are :mod:`qcoll.bench.train_report`'s). qcoll's ``zero3-bf16`` /
+``zeropp-bf16`` are ``zero3`` / ``zeropp`` with ``compute_dtype=torch.bfloat16``: ZeRO-3
+then gathers 2-byte elements (its gradient reduce-scatter stays fp32), ZeRO++ quantizes
+and gathers bf16 (the same wire bytes as in fp32). The *best peer* is the fastest run of
+an FSDP2 peer or of qcoll's unquantized ``zero3`` / ``zero3-bf16``: the configurations
+ZeRO++ is measured against.
 
 ``--prefetch N`` overrides the qcoll modes' ``ZeroConfig.prefetch``; ``--units linears`` makes every
 Linear layer its own unit (smaller units: earlier first gradient reductions, more collectives).
@@ -59,10 +61,11 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from . import adaptive, cli, fsdp_runs, plot
+from . import adaptive, cli, fsdp_runs
 from .collcount import CollectiveCounter
 from .linkmeter import LinkMeter
 from .ranks import run_ranks
+from .train_report import format_adaptive, format_profile, format_table, memory_kib, plot_losses  # noqa: F401
 
 NAME = "train"
 MODES = {
@@ -129,8 +132,11 @@ def register(subparsers) -> argparse.ArgumentParser:
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--modes", nargs="+", default=["zero3", "zeropp"], choices=list(MODES) + list(fsdp_runs.QCOLL_MODES),
                    metavar="MODE", help=f"qcoll configurations to run, of {' '.join(MODES)}; and qcoll's comms "
-                                        f"inside FSDP2: fsdp2-qcoll (fp32), fsdp2-qcoll-bf16 (bf16 policy), hsdp-qcoll "
-                                        f"(bf16 HSDP, 4-bit cross-node all-reduce) (default zero3 zeropp)")
+                                        f"inside FSDP2 (quantize_comm's defaults: 8-bit weights, 4-bit gradients, "
+                                        f"hpZ): fsdp2-qcoll (fp32, 1-D mesh, blocks reshard_after_forward=ranks per "
+                                        f"node), fsdp2-qcoll-bf16 (the same with the bf16 MixedPrecisionPolicy), "
+                                        f"hsdp-qcoll (hsdp-bf16 with its cross-node gradient all-reduce at 4 bits) "
+                                        f"(default zero3 zeropp)")
     p.add_argument("--peer", nargs="*", default=[], choices=PEERS, metavar="PEER",
                    help="also run PyTorch FSDP2 (fully_shard): fsdp2 (fp32), fsdp2-bf16 (MixedPrecisionPolicy "
                         "param_dtype=reduce_dtype=bf16), hsdp, hsdp-bf16 (the same on a 2-D mesh: replicate "
@@ -360,7 +366,7 @@ def _rank_main(args) -> None:
                                                                            "target_loss", "loss_window", "stop_at_target")},
                                    "runs": runs})
     if args.plot:
-        _plot(runs, args.plot)
+        plot_losses(runs, args.plot)
 
 
 def _adaptive_run(args, mode, topo) -> dict:
@@ -376,109 +382,3 @@ def _adaptive_run(args, mode, topo) -> dict:
             "memory": {}, "samples_to_target": samples, "time_to_target_s": wall, "steps_to_target": steps,
             "collectives_per_step": None, "inter_collectives_per_step": None, "collectives_by_op": None,
             "cosines": rec["cosines"], "batches": rec["batches"], "lrs": rec["lrs"], "step_seconds": rec["seconds"]}
-
-
-def format_adaptive(r: dict) -> str:
-    lines = [f"{r['mode']}: {'step':>5} {'loss':>7} {'cosine':>7} {'batch':>6} {'lr':>9} {'ms':>8}"]
-    pad = " " * (len(r["mode"]) + 2)
-    for i, (loss, cos, b, lr, sec) in enumerate(zip(r["losses"], r["cosines"], r["batches"], r["lrs"],
-                                                    r["step_seconds"])):
-        lines.append(f"{pad}{i + 1:>5} {loss:>7.3f} {cos:>7.3f} {b:>6} {lr:>9.2e} {sec * 1e3:>8.1f}")
-    return "\n".join(lines)
-
-
-def memory_kib(memory: dict) -> tuple[float | None, float | None]:
-    """(state, peak) KiB per rank from a run's ``memory``: qcoll.zero's report (master shards,
-    gradients, optimizer state; peak adds the hpZ secondary and the most gathered parameters)
-    or FSDP2's (:mod:`qcoll.bench.fsdp_runs`)."""
-    if not memory:
-        return None, None
-    if "state" in memory:
-        return memory["state"] / 1024, memory["peak"] / 1024
-    state = memory.get("master", 0) + memory.get("grad", 0) + memory.get("optimizer_state", 0)
-    return state / 1024, (state + memory.get("secondary_peak", 0) + memory.get("gathered_peak", 0)) / 1024
-
-
-def format_table(runs: list[dict]) -> str:
-    metered = any(r.get("link_bytes_per_step") is not None for r in runs)
-    targeted = any(r.get("steps_to_target") is not None for r in runs)
-    peered = any(r.get("speedup_vs_best_peer") for r in runs)
-    w = max([10] + [len(r["mode"]) for r in runs])
-    head = (f"{'mode':>{w}} {'step(ms)':>9} {'tokens/s':>9} {'loss0':>7} {'loss':>7} {'intra/step':>11} "
-            f"{'inter/step':>11} {'coll/step':>9} {'state_KiB':>9} {'peak_KiB':>9} {'speedup':>8} {'inter_x':>8}")
-    if peered:
-        head += f" {'vs_best':>8}"
-    if metered:
-        head += f" {'link/step':>11} {'link_x':>7}"
-    if targeted:
-        head += f" {'samples>tgt':>11} {'s>tgt':>7}"
-    lines = [head]
-    for r in runs:
-        sp = f"{r['speedup_vs_zero3']:.2f}" if r["speedup_vs_zero3"] else "-"
-        ir = f"{r['inter_ratio_vs_zero3']:.3f}" if r["inter_ratio_vs_zero3"] is not None else "-"
-        intra = r["intra_bytes_per_step"] if r["intra_bytes_per_step"] is not None else "-"
-        colls = r.get("collectives_per_step")
-        state, peak = memory_kib(r.get("memory"))
-        line = (f"{r['mode']:>{w}} {r['step_time_s'] * 1e3:>9.1f} {r['tokens_per_s']:>9.0f} "
-                f"{r['first_loss']:>7.3f} {r['final_loss']:>7.3f} {intra:>11} "
-                f"{r['inter_bytes_per_step']:>11} {colls if colls is not None else '-':>9} "
-                f"{f'{state:.0f}' if state is not None else '-':>9} {f'{peak:.0f}' if peak is not None else '-':>9} "
-                f"{sp:>8} {ir:>8}")
-        if peered:
-            vb = r.get("speedup_vs_best_peer")
-            line += f" {f'{vb:.2f}' if vb else '-':>8}"
-        if metered:
-            lr = r.get("link_ratio_vs_zero3")
-            line += f" {round(r['link_bytes_per_step'] or 0):>11} {f'{lr:.3f}' if lr is not None else '-':>7}"
-        if targeted:
-            n, sec = r.get("samples_to_target"), r.get("time_to_target_s")
-            line += f" {n if n is not None else '-':>11} {f'{sec:.1f}' if sec is not None else '-':>7}"
-        lines.append(line)
-    lines.append("state_KiB: this rank's parameter shards, gradients and AdamW state after a step; peak_KiB: "
-                 "state plus the most gathered parameters and hpZ / post-forward shards held at once")
-    best = next((r["best_peer"] for r in runs if r.get("best_peer")), None)
-    if peered and best:
-        lines.append(f"coll/step: collectives each rank issues per timed step; vs_best: speed-up vs the fastest "
-                     f"peer ({best})")
-    return "\n".join(lines)
-
-
-def format_profile(runs: list[dict]) -> str:
-    """Where each run's step goes (``where_time_goes``): phases and the waits for the transport."""
-    lines = ["where the time goes (ms per step, mean of the ranks' medians; blocked: waiting for the transport)"]
-    for r in runs:
-        p = r.get("where_time_goes")
-        if not p:
-            continue
-        blocked = ", ".join(f"{op} {s * 1e3:.1f}" for op, s in p["blocked_s"].items() if s >= 5e-4) or "-"
-        lines.append(f"  {r['mode']}: forward {p['forward_s'] * 1e3:.1f}, backward {p['backward_s'] * 1e3:.1f}, "
-                     f"optimizer {p['optimizer_s'] * 1e3:.1f}; blocked: {blocked}")
-    return "\n".join(lines)
-
-
-def _plot(runs: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    adaptive_runs = [r for r in runs if "cosines" in r]
-    fig, axes = plt.subplots(1, 3 if adaptive_runs else 1, figsize=(14 if adaptive_runs else 7, 4.5), squeeze=False)
-    ax = axes[0][0]
-    for r in runs:
-        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["mode"], linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (global batch)")
-    ax.set_title("char transformer on the Python stdlib sources")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    for ax, key, label in ((axes[0][1], "batches", "global batch (sequences)"),
-                           (axes[0][2], "cosines", "half-batch gradient cosine")) if adaptive_runs else ():
-        for r in adaptive_runs:
-            ax.plot(range(1, len(r[key]) + 1), r[key], label=r["mode"], linewidth=1)
-        ax.set_xlabel("step")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    plot.save_figure(fig, path)
-    plt.close(fig)
