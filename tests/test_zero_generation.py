@@ -127,6 +127,51 @@ def test_zeropp_generation_mode_keeps_the_secondaries_and_stays_in_the_node(rank
         assert summary["inter_node_bytes_per_forward_after_first"] == 0 and summary["forwards"] == NEW
 
 
+def _cached_tokens(rank, world, path):
+    plain = _tiny_gpt2()
+    model = zero.shard(copy.deepcopy(plain), qcoll.Topology(2), zero.ZeroConfig(weight_bits=4, hpz=True))
+    exported = _generate(_exported_copy(plain, model, path))
+    groups = [g for g in zero.state_of(model).groups if not g.replicated]
+    full = [g.full.numel() * g.full.element_size() for g in groups]
+    runs = {}
+    for name, budget in (("none", 0), ("half", sum(full) // 2), ("all", None)):
+        with model.generation_mode(max_cached_bytes=budget) as gen:
+            tokens = _generate(model)
+            held = zero.memory_report(model)["gathered"]
+        runs[name] = dict(tokens=tokens, inter=gen.inter_node_bytes_per_forward, intra=gen.intra_node_bytes_per_forward,
+                          cached=(gen.cached_bytes, gen.cached_groups, gen.groups), held=held,
+                          after=zero.memory_report(model)["gathered"],
+                          pinned=[g.index for g in groups if g.pinned])
+    for bad in (-1, 1.5, True):
+        with pytest.raises((ValueError, TypeError), match="max_cached_bytes"):
+            with model.generation_mode(max_cached_bytes=bad):
+                pass
+    return exported, full, runs
+
+
+def test_generation_cache_keeps_the_gathered_weights_within_the_budget(ranks4, tmp_path):
+    """max_cached_bytes: the groups that fit stay gathered, the later forwards move no byte at all
+    (the rest gather inside the node from their secondaries), the tokens are the exported model's."""
+    for exported, full, runs in ranks4.run(_cached_tokens, str(tmp_path / "w.safetensors"), timeout=TIMEOUT):
+        for name, run in runs.items():
+            assert run["tokens"] == exported, name
+            assert run["inter"][0] > 0 and run["inter"][1:] == [0] * (NEW - 1), name
+            assert run["after"] == 0 and run["pinned"] == [], name      # released on exit
+        assert runs["none"]["cached"] == (0, 0, len(full))
+        assert all(b > 0 for b in runs["none"]["intra"][1:])
+        assert runs["all"]["cached"] == (sum(full), len(full), len(full))
+        assert runs["all"]["held"] == sum(full)
+        assert runs["all"]["intra"][1:] == [0] * (NEW - 1)            # nothing gathered after the first forward
+        half_bytes, half_groups, _ = runs["half"]["cached"]
+        assert 0 < half_groups < len(full) and half_bytes <= sum(full) // 2
+        # the groups kept are those that fit, in order; the others still gather inside the node
+        fit, n = 0, 0
+        while n < len(full) and fit + full[n] <= sum(full) // 2:
+            fit, n = fit + full[n], n + 1
+        assert (half_bytes, half_groups) == (fit, n)
+        assert all(0 < h < a for h, a in zip(runs["half"]["intra"][1:], runs["none"]["intra"][1:]))
+
+
 # ---------------------------------------------------------------------------- (c) released on exit
 class Boom(Exception):
     pass
@@ -221,7 +266,7 @@ def test_training_after_generation_mode_is_unchanged(ranks4):
 
 
 # ---------------------------------------------------------------------------- (e) misuse and an optimizer step
-def _misuse(rank, world):
+def _misuse(rank, world, max_cached_bytes):
     torch.manual_seed(1)
     x = torch.randint(2, 96, (2, 12))
     model = zero.shard(_tiny_gpt2(), qcoll.Topology(2), zero.ZeroConfig())
@@ -251,7 +296,7 @@ def _misuse(rank, world):
 
     # an optimizer step inside the mode: the kept shards are stale and gathered again
     model(x, labels=x).loss.backward()
-    with model.generation_mode() as gen:
+    with model.generation_mode(max_cached_bytes) as gen:
         before_step = _generate(model, 2)
         opt.step()
         opt.zero_grad()
@@ -264,8 +309,10 @@ def _misuse(rank, world):
     return out
 
 
-def test_misuse_is_a_clear_error_and_an_optimizer_step_refreshes_the_secondaries(ranks4):
-    for out in ranks4.run(_misuse, timeout=TIMEOUT):
+@pytest.mark.parametrize("max_cached_bytes", [0, None])
+def test_misuse_is_a_clear_error_and_an_optimizer_step_refreshes_the_secondaries(ranks4, max_cached_bytes):
+    """An optimizer step inside the mode: the kept secondaries (0) or kept weights (None: all) are stale."""
+    for out in ranks4.run(_misuse, max_cached_bytes, timeout=TIMEOUT):
         assert out["still_held"] and out["nested_ok"] and out["held_after"] == []
         # 2 forwards before the step, 3 after: the first after the step crosses nodes again
         inter = out["inter"]

@@ -18,13 +18,21 @@ group on the spot and adds it to the innermost running unit, which from then on
 gathers it before its forward and backward like its own.
 
 Generation mode (:meth:`begin_generation` / :meth:`end_generation`, the engine side
-of ``ZeroModule.generation_mode()``): every group's forward gather keeps its hpZ
-secondary shard, also without gradients and for frozen groups, and the forwards
-after it gather from the kept packed bytes inside the node (``replica_gather``, as
-backward does), until the mode ends and releases them. Secondary shards held on entry
-(a forward with gradients whose backward has not run) are set aside and put back on
-exit; a kept shard whose master changed since (an optimizer step) is dropped at the next
-forward and gathered again. Backward inside the mode is refused.
+of ``ZeroModule.generation_mode()``; the bookkeeping is :class:`GenerationSession`): the
+groups that fit ``max_cached_bytes`` stay gathered across the forwards (pinned); every
+other group's forward gather keeps its hpZ secondary shard, also without gradients and for
+frozen groups, and the forwards after it gather from the kept packed bytes inside the node
+(``replica_gather``, as backward does), until the mode ends and releases them. Secondary
+shards held on entry (a forward with gradients whose backward has not run) are set aside
+and put back on exit; kept weights whose master changed since (an optimizer step) are
+dropped at the next forward and gathered again. Backward inside the mode is refused.
+
+Gradient accumulation with ``ZeroConfig(reshard_after_backward=False)``: a forward with
+gradients inside ``no_sync()`` pins every group, so each is gathered once (qwZ across
+nodes) and kept through the micro-batches' forwards and backwards, as FSDP2's
+``set_reshard_after_backward(False)``; the first backward outside ``no_sync()`` unpins them,
+and each is released once its gradients are reduced. A pin whose master changed (an
+optimizer step between micro-batches) is dropped at the next forward and gathered again.
 
 Collectives of dependent stages (the hierarchical forward gather's stage inside the
 node, qgZ's hop 2) are launched at the engine's next hook after their first stage
@@ -39,7 +47,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import time
 
 import torch
 from torch.autograd import Variable
@@ -53,7 +60,7 @@ from ..comm.stats import stats
 from ..quant.rng import mix32_int
 from . import user_grads
 from .flat import FlatGroup, reduce_together
-from .generation import GenerationStats
+from .generation import GenerationSession, GenerationStats
 from .buffers import broadcast_from_rank0, persistent_buffers
 from .entry import register_entries
 from .outputs import output_tensors
@@ -104,11 +111,7 @@ class Engine:
         self.measure_similarity = False    # SimiGrad: measure the half-batch cosine in each reduction
         self.last_similarity = None        # the cosine of the last measured backward (NaN: undefined)
         self._similarity = None            # this backward's local statistics, while reducing
-        self.generation: GenerationStats | None = None  # inside generation_mode(): its counts
-        self._set_aside: dict = {}         # generation mode: secondaries held on entry, put back on exit
-        self._kept_version: dict = {}      # generation mode: group index -> master._version when kept
-        self._forward_start = None         # generation mode: (inter, intra, seconds) when the forward began
-        self._profile = None               # generation mode: the forward's record_function
+        self.generation: GenerationSession | None = None  # inside generation_mode()
         self._group_of = {}
         self.param_names = {}
         self._hooks = []
@@ -160,6 +163,8 @@ class Engine:
             self._reset_forward()
         if self.adopt_new_parameters is not None:
             self.adopt_new_parameters()
+        if self.generation is None:
+            self._pin_for_accumulation()
         for g in self.groups:  # a torch optimizer's step that raised left its shards exposed
             user_grads.conceal(g)
         self.sync_buffers()  # before this forward saves any of them for its backward
@@ -168,11 +173,22 @@ class Engine:
             self.last_order = self.order
         self.order = []
         if self.generation is not None:
-            self._begin_generation_forward()
+            self.generation.begin_forward(self.groups)
         if not self.probed:
             self._probe = ReleasedParameterProbe(self)
             self._probe.__enter__()
         return self._cast(args, kwargs)
+
+    def _pin_for_accumulation(self) -> None:
+        """Before a forward outside generation mode: drop stale pins; inside ``no_sync()`` with
+        ``reshard_after_backward=False`` and gradients enabled, pin every sharded group."""
+        for g in self.groups:
+            if g.pin_stale:
+                g.unpin()
+        if not self.sync_grads and not self.config.reshard_after_backward and torch.is_grad_enabled():
+            for g in self.groups:
+                if not g.pinned and not g.replicated:
+                    g.pin()
 
     def _cast(self, args, kwargs):
         """The forward's floating-point arguments in the compute dtype (None: unchanged)."""
@@ -200,7 +216,7 @@ class Engine:
         if not failed and self.config.broadcast_buffers and module.training and torch.is_grad_enabled():
             self._buffers_stale = True  # this forward updated each rank's buffers from its own batch
         if self.generation is not None:
-            self._end_generation_forward()
+            self.generation.end_forward(self.groups)
         return output
 
     @torch.compiler.disable
@@ -314,6 +330,10 @@ class Engine:
         if not self.in_backward:
             self.in_backward = True
             Variable._execution_engine.queue_callback(self._end_backward)
+            if self.sync_grads:  # the step's last backward: release each group after its reduction
+                for g in self.groups:
+                    if g.pinned:
+                        g.unpin(reshard=False)
         self._advance()
         for g in unit.groups:
             g.hold_for_backward()
@@ -399,7 +419,7 @@ class Engine:
             user_grads.install(group)
 
     # ------------------------------------------------------------------ generation mode
-    def begin_generation(self) -> GenerationStats:
+    def begin_generation(self, max_cached_bytes: int | None = 0) -> GenerationStats:
         """Enter generation mode (see the module docstring); returns its counts."""
         if self.generation is not None:
             raise RuntimeError("qcoll.zero: generation_mode() is already active on this model (it does not "
@@ -408,59 +428,23 @@ class Engine:
             where = "a backward" if self.in_backward else "a forward"
             raise RuntimeError(f"qcoll.zero: generation_mode() entered inside {where} of the model; enter it "
                                "around the forwards (e.g. around model.generate(...))")
-        self._set_aside = {}
-        self._kept_version = {}
-        for g in self.groups:
-            self._set_aside[g.index] = g.begin_generation()  # a pending backward's secondary: kept for it
-        self.generation = GenerationStats()
-        return self.generation
+        if any(g.pinned for g in self.groups):
+            raise RuntimeError("qcoll.zero: generation_mode() entered while gradient accumulation holds the "
+                               "gathered weights (ZeroConfig(reshard_after_backward=False) inside no_sync()): run "
+                               "the step's last backward, outside no_sync(), before generating")
+        self.generation = GenerationSession(self.groups, max_cached_bytes)
+        return self.generation.stats
 
     def end_generation(self) -> None:
-        """Leave generation mode: release every secondary shard it kept, put back those
-        set aside on entry (also when the block raised)."""
+        """Leave generation mode: release every weight and secondary shard it kept, put back
+        those set aside on entry (also when the block raised)."""
         try:
             if self._in_forward:  # a forward raised where the end hook does not run (compiled): finish it
                 self._in_forward = False
                 self._reset_forward()
         finally:
-            self._close_profile()
-            for g in self.groups:
-                g.end_generation(self._set_aside.get(g.index))
-            self._set_aside = {}
-            self._kept_version = {}
-            self._forward_start = None
-            self.generation = None
-
-    def _begin_generation_forward(self) -> None:
-        gen = self.generation
-        for g in self.groups:
-            if not g.config.hpz:
-                continue
-            version = g.master._version  # in-place updates of the master (optimizer steps, loads) bump it
-            if g.secondary is not None and self._kept_version.get(g.index) != version:
-                g.drop_secondary()  # kept before the master changed: stale, gather it across nodes again
-                gen.refreshed += 1
-            if g.secondary is None:
-                self._kept_version[g.index] = version  # this forward's gather keeps it from this master
-        self._close_profile()
-        self._profile = record_function("qcoll.zero::generation_forward")
-        self._profile.__enter__()
-        self._forward_start = (stats.total_inter_bytes, stats.total_intra_bytes, time.perf_counter())
-
-    def _end_generation_forward(self) -> None:
-        if self._forward_start is None:
-            return
-        inter, intra, t0 = self._forward_start
-        self._forward_start = None
-        self._close_profile()
-        held = sum(g.secondary.nbytes for g in self.groups if g.secondary is not None)
-        self.generation._record(stats.total_inter_bytes - inter, stats.total_intra_bytes - intra,
-                                time.perf_counter() - t0, held)
-
-    def _close_profile(self) -> None:
-        if self._profile is not None:
-            profile, self._profile = self._profile, None
-            profile.__exit__(None, None, None)
+            session, self.generation = self.generation, None
+            session.end(self.groups)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

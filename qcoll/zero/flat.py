@@ -32,7 +32,11 @@ The group's schedule state is explicit (:mod:`qcoll.zero.group_state`): ``gather
 reducing), changed only by the transitions below, each asserting where it starts from.
 The engine calls only those. The group also holds its hpZ secondary shard (the node's
 rows of its last forward gather, a :class:`qcoll.comm.SecondaryShard`) while a backward
-or generation mode needs it; the collectives keep no state of their own.
+or generation mode needs it; the collectives keep no state of their own. A *pinned* group
+(:meth:`FlatGroup.pin`: generation mode's cache, gradient accumulation with
+``reshard_after_backward=False``) stays gathered across forwards and backwards until it is
+unpinned; the pin remembers the master's version, so the engine can tell when the kept
+weights went stale (an optimizer step) and gather them again.
 """
 from __future__ import annotations
 
@@ -93,6 +97,8 @@ class FlatGroup:
         #: generation mode: forwards keep the secondary shard (without gradients, frozen groups
         #: too) and, once kept, gather from it inside the node as backward does
         self.hold_secondary = False
+        #: pinned (kept gathered across forwards): the master's ``_version`` when pinned; None: not pinned
+        self.pinned_version: int | None = None
         self._pending = None         # GATHERING: the gather's handle
         self._keep_gathered = False  # GATHERING: keep a secondary shard from it
         self._forward_users = 0      # units currently running forward with this group
@@ -154,6 +160,11 @@ class FlatGroup:
         """Bytes of full parameters this group holds now (in flight or gathered)."""
         return self.full.untyped_storage().nbytes()
 
+    @property
+    def full_nbytes(self) -> int:
+        """Bytes of the full parameters when gathered (what pinning the group costs)."""
+        return self.full.numel() * self.full.element_size()
+
     # ------------------------------------------------------------------ gather transitions
     def unshard(self, backward: bool) -> None:
         """RELEASED -> GATHERING: launch the async gather of the full parameters (a no-op when
@@ -169,7 +180,7 @@ class FlatGroup:
         src = self.master.detach()
         if src.dtype != self.full.dtype:
             src = src.to(self.full.dtype)
-        self._keep_gathered = self.config.hpz and not backward and (
+        self._keep_gathered = self.config.hpz and not backward and not self.pinned and (
             self.hold_secondary or (torch.is_grad_enabled() and self.trainable))
         self._pending = all_gather_quantized(self.full, src, bits=self.config.weight_bits,
                                              block_size=self.config.weight_block, async_op=True,
@@ -209,14 +220,39 @@ class FlatGroup:
 
     def reshard(self) -> None:
         """-> RELEASED, unless a running forward or a held backward still needs the full
-        parameters (then nothing changes). A gather in flight is completed first."""
-        if self._forward_users or self.grad_state is GradState.HELD:
+        parameters, or the group is pinned (then nothing changes). A gather in flight is
+        completed first."""
+        if self._forward_users or self.grad_state is GradState.HELD or self.pinned:
             return
         if self.gather_state is GatherState.GATHERING:
             self.wait_for_unshard()
         if self.gather_state is GatherState.GATHERED:
             self._free_storage()
             self.gather_state = GatherState.RELEASED
+
+    # ------------------------------------------------------------------ pinning
+    @property
+    def pinned(self) -> bool:
+        """Whether the group is kept gathered across forwards (:meth:`pin`)."""
+        return self.pinned_version is not None
+
+    def pin(self) -> None:
+        """Keep the full parameters once gathered (the next gather, or the one held now) across
+        forwards and backwards, until :meth:`unpin`; no hpZ secondary shard is kept meanwhile."""
+        assert not self.pinned, f"qcoll.zero: group {self.name!r}: pinned twice"
+        self.pinned_version = self.master._version
+
+    @property
+    def pin_stale(self) -> bool:
+        """Whether the group is pinned and its master changed since (the kept weights are old)."""
+        return self.pinned and self.pinned_version != self.master._version
+
+    def unpin(self, reshard: bool = True) -> None:
+        """Stop keeping the full parameters; ``reshard``: release them now unless a forward
+        or backward holds them (else they go at that user's next :meth:`reshard`)."""
+        self.pinned_version = None
+        if reshard:
+            self.reshard()
 
     # ------------------------------------------------------------------ forward uses
     def begin_forward_use(self) -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checks import check_int
 from ..comm import Topology
 from ..comm.topology import current_topology
 from . import late_params
@@ -53,12 +54,13 @@ class ZeroModule(nn.Module):
             engine.sync_grads = previous
 
     @contextlib.contextmanager
-    def generation_mode(self):
-        """Inference without backward (e.g. ``model.generate``) that keeps the hpZ secondary shards.
+    def generation_mode(self, max_cached_bytes: int | None = 0):
+        """Inference without backward (e.g. ``model.generate``) that keeps the gathered weights
+        (within ``max_cached_bytes``) or the hpZ secondary shards.
 
         Usage (every rank, same prompt)::
 
-            with model.generation_mode() as gen:
+            with model.generation_mode(max_cached_bytes=2**30) as gen:
                 tokens = model.generate(prompt, max_new_tokens=64, do_sample=False)
             print(gen.forwards, gen.inter_node_bytes_per_forward)
 
@@ -72,6 +74,14 @@ class ZeroModule(nn.Module):
         model gives without the mode. The secondary shards are released on exit, also when
         the block raises; memory while inside: ``params / ranks_per_node x weight_bits / 8``
         bytes per rank (``qcoll.zero.memory_report(model)["secondary"]``).
+
+        ``max_cached_bytes`` (per rank; default 0, None: no limit): the groups (in the model's
+        order) whose full weights fit in it are instead kept *gathered* from their first forward
+        to the end of the block, as DeepSpeed's hybrid engine keeps the gathered weights for
+        generation: the forwards after the first then gather and dequantize nothing, and run at
+        the unsharded model's speed when the whole model fits (``params x`` the compute dtype's
+        bytes, e.g. 4 per parameter in fp32). Same weights, same tokens. ``gen.cached_bytes``
+        says what the cache held, ``gen.cached_groups`` of ``gen.groups`` groups.
 
         Without hpZ (``ZeroConfig(hpz=False)``, e.g. ``ZeroConfig.zero3()``) there is nothing
         to keep: the mode is valid and gathers as usual, over the world, and still counts.
@@ -91,8 +101,10 @@ class ZeroModule(nn.Module):
         again (counted in ``refreshed``). A collective: every rank enters and leaves the
         block together and runs the same forwards in it.
         """
+        if max_cached_bytes is not None:
+            check_int(max_cached_bytes, "max_cached_bytes", minimum=0)
         engine = state_of(self).engine
-        stats = engine.begin_generation()
+        stats = engine.begin_generation(max_cached_bytes)
         try:
             with torch.no_grad(), torch.autograd.profiler.record_function("qcoll.zero::generation_mode"):
                 yield stats
