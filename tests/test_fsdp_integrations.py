@@ -152,9 +152,30 @@ def test_hf_trainer_refused_by_accelerate_on_cpu_then_on_a_transformers_sharded_
     on FSDP2's 1-D path, which the script above and tests/test_fsdp_*.py cover."""
     rc, out, err = _trainer(llama_dir, "--hsdp", "--accelerate-fsdp")
     assert rc == 0, err[-3000:]
-    assert "accelerate fsdp: ValueError: quantize_comm: no FSDP2 module under LlamaForCausalLM" in out
+    assert ("accelerate fsdp: ValueError: QuantizeCommCallback: LlamaForCausalLM reached training without FSDP2 "
+            "modules (Accelerate's distributed type: MULTI_CPU, TrainingArguments.fsdp=True)") in out, out
     m = re.search(r"modules (\d+) loss ([\d.]+) calls (.*)", out)
     assert m, out
     calls = dict(ast.literal_eval(m.group(3)))
     assert int(m.group(1)) > 1 and math.isfinite(float(m.group(2)))
     assert calls["all_to_all"] == calls["all_gather"] > 0
+
+
+def test_trainer_fsdp2_config_takes_no_ranks_per_node_so_the_callback_defaults_to_no_hpz(monkeypatch):
+    """hpZ is reshard_after_forward=<ranks per node>; Transformers' fsdp_config and Accelerate's
+    FSDP2 plugin take a bool only, with these errors (why QuantizeCommCallback has hpz=False)."""
+    import inspect
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from transformers import TrainingArguments
+
+    from qcoll.integrations.hf import QuantizeCommCallback
+
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")   # TrainingArguments sets it: undone after
+    config = {"fsdp_version": 2, "reshard_after_forward": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+    with pytest.raises(ValueError, match=r"^invalid truth value 2$"):
+        TrainingArguments(output_dir="unused", use_cpu=True, report_to=[], fsdp=True, fsdp_config=config)
+    with pytest.raises(ValueError, match=r"^reshard_after_forward set to 2\. This is not supported with FSDP2, "
+                                         r"please set to a `bool`$"):
+        FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=2)
+    assert inspect.signature(QuantizeCommCallback).parameters["hpz"].default is False
