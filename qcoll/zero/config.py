@@ -57,6 +57,14 @@ class ZeroConfig:
     node. qcoll's secondary group is always the node: :meth:`check_topology` refuses any
     other size.
 
+    ``reshard_after_backward``: ``False`` keeps every group's full weights gathered across the
+    micro-batches of gradient accumulation (the forwards and backwards inside ``no_sync()`` and
+    the step's last backward, which releases them), so each weight crosses the node links once
+    per step instead of once per micro-batch, at the memory of the whole model's gathered
+    weights (in the compute dtype) from the first micro-batch to the step's last backward (FSDP2's
+    ``set_reshard_after_backward(False)``; ``memory_report(model)["gathered_peak"]`` shows it).
+    Without ``no_sync()`` it changes nothing. Default True.
+
     ``broadcast_buffers``: rank 0's persistent buffers (BatchNorm's running statistics) are
     broadcast before the first forward after a training forward, so that every forward computes
     with the same ones on every rank (as DDP's ``broadcast_buffers``, default True;
@@ -82,6 +90,7 @@ class ZeroConfig:
     reduce_bucket_numel: int = 0
     hpz_partition_size: int | None = None
     broadcast_buffers: bool = True
+    reshard_after_backward: bool = True
 
     def __post_init__(self):
         if self.weight_bits is not None:
@@ -103,7 +112,8 @@ class ZeroConfig:
             raise ValueError("grad_hadamard=True needs quantized gradients (grad_bits is None)")
         fmt.check_block_size(self.weight_block, "weight_block")
         fmt.check_block_size(self.grad_block, "grad_block")
-        for name in ("hpz", "stochastic_grad_rounding", "grad_hadamard", "hierarchical_gather", "broadcast_buffers"):
+        for name in ("hpz", "stochastic_grad_rounding", "grad_hadamard", "hierarchical_gather", "broadcast_buffers",
+                     "reshard_after_backward"):
             check_bool(getattr(self, name), name)
         check_int(self.prefetch, "prefetch", minimum=0)
         check_int(self.persist_threshold, "persist_threshold", minimum=0)
