@@ -1,4 +1,4 @@
-"""``qcoll-bench cluster``: run ``train``, ``collectives``, ``tune`` or ``generate`` on an emulated low-bandwidth cluster.
+"""``qcoll-bench cluster``: run ``train``, ``collectives``, ``tune``, ``generate`` or ``rlhf`` on an emulated low-bandwidth cluster.
 
 One network namespace per node, each node's link to a switch rate-limited with
 ``tc`` (:mod:`qcoll.bench.netns`), every rank started inside its node's namespace
@@ -44,7 +44,7 @@ from .ranks import RankFailed, _on_sigterm, _restore_signal, _set_signal
 from .linkmeter import ENV as METER_ENV
 
 NAME = "cluster"
-INNER = ("train", "collectives", "tune", "generate")
+INNER = ("train", "collectives", "tune", "generate", "rlhf")
 RESERVED = ("--nproc", "--ranks-per-node", "--json", "--plot")
 MASTER_PORT = 29500          # the namespaces are new, so nothing else listens there
 GRACE_S = 5.0
@@ -58,7 +58,7 @@ class InnerUsageError(Exception):
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(NAME, help="run train, collectives, tune or generate on an emulated cluster of "
+    p = subparsers.add_parser(NAME, help="run train, collectives, tune, generate or rlhf on an emulated cluster of "
                                          "network namespaces",
                               description=__doc__.split("\n\n")[0],
                               usage=f"qcoll-bench cluster [options] -- {{{','.join(INNER)}}} [their options]")

@@ -50,7 +50,8 @@ import torch.distributed as dist
 
 from . import cli
 from .ranks import run_ranks
-from .linkmeter import LinkMeter
+from .hf_decoder import add_model_options, build_decoder, check_model_options
+from .linkmeter import LinkWindow, summed
 
 NAME = "generate"
 MODES = {
@@ -71,13 +72,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="qwZ weight bits of the zeropp modes (default 8)")
     p.add_argument("--tokens", type=cli.positive_int, default=64, help="new tokens per timed generation (default 64)")
     p.add_argument("--prompt-len", type=cli.positive_int, default=16, help="prompt tokens (default 16)")
-    g = p.add_argument_group("model (built from a config, random weights)")
-    g.add_argument("--arch", default="gpt2", choices=ARCHS, help="Hugging Face decoder (default gpt2)")
-    g.add_argument("--layers", type=cli.positive_int, default=4, help="decoder blocks (default 4)")
-    g.add_argument("--d-model", type=cli.positive_int, default=256, help="hidden size (default 256)")
-    g.add_argument("--heads", type=cli.positive_int, default=4, help="attention heads (default 4)")
-    g.add_argument("--vocab", type=cli.positive_int, default=8192, help="vocabulary size (default 8192)")
-    g.add_argument("--seed", type=int, default=0, help="model and prompt seed (default 0)")
+    add_model_options(p)
     cli.add_common_options(p, iters=1, warmup=1)
     p.set_defaults(func=main)
     return p
@@ -87,18 +82,9 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.plot is not None:
         parser.error("--plot: generate draws no plot (its figures are in the table and --json)")
     cli.check_common(parser, args)
-    if args.d_model % args.heads:
-        parser.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
-    if (args.d_model // args.heads) % 2 and args.arch == "llama":
-        parser.error(f"--arch llama needs an even head size; --d-model {args.d_model} / --heads {args.heads} is odd")
-    if args.vocab < 3:
-        parser.error(f"--vocab must be >= 3 (tokens 0 and 1 are reserved), got {args.vocab}")
+    check_model_options(parser, args)
     if len(set(args.modes)) != len(args.modes):
         parser.error(f"--modes lists a mode twice: {' '.join(args.modes)}")
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        parser.error("generate needs transformers (pip install transformers, or the test extra)")
     run_ranks(_rank_main, args, args.nproc, args.ranks_per_node)
     return 0
 
@@ -106,22 +92,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 # ---------------------------------------------------------------------------- model
 def build_model(args):
     """The plain decoder of the model options (eval mode, fp32), seeded by ``--seed``."""
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    positions = args.prompt_len + args.tokens + 8
-    torch.manual_seed(args.seed)
-    common = dict(vocab_size=args.vocab, bos_token_id=0, eos_token_id=1, pad_token_id=1)
-    if args.arch == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=args.d_model, n_head=args.heads,
-                                      n_positions=positions, **common)
-        model = transformers.GPT2LMHeadModel(cfg)
-    else:
-        cfg = transformers.LlamaConfig(hidden_size=args.d_model, intermediate_size=4 * args.d_model,
-                                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                                       num_key_value_heads=args.heads, max_position_embeddings=positions, **common)
-        model = transformers.LlamaForCausalLM(cfg)
-    return model.eval()
+    return build_decoder(args, args.prompt_len + args.tokens + 8).eval()
 
 
 def _prompt(args) -> torch.Tensor:
@@ -191,49 +162,7 @@ class _ForwardMeter:
 
 
 # ---------------------------------------------------------------------------- ranks
-class _Link:
-    """Rank 0's reading of the node links' byte counters around a window (None outside a cluster).
-
-    A barrier first lets what earlier collectives still had on the wire arrive (a rank leaves
-    a collective once its own part is done, while a peer's data may still queue at a shaped
-    link); the counters are then read before the barrier that opens the window and after the
-    one that closes it, so nothing of the window escapes; the two barriers' own bytes,
-    measured alone once, are subtracted. TCP acknowledgements that trail a window by a few
-    milliseconds may still land in the next one (tens of bytes)."""
-
-    def __init__(self, rank: int):
-        self.meter = LinkMeter.from_env() if rank == 0 else None
-        self.overhead = 0
-        dist.barrier()
-        start = self.meter.read() if self.meter is not None else None
-        dist.barrier()
-        dist.barrier()
-        if self.meter is not None:
-            self.overhead = self.meter.read() - start
-
-    @contextlib.contextmanager
-    def window(self):
-        box = {"bytes": None, "seconds": None}
-        dist.barrier()   # earlier traffic has arrived
-        start = self.meter.read() if self.meter is not None else None
-        dist.barrier()
-        t0 = time.perf_counter()
-        yield box
-        seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.barrier()
-        if self.meter is not None:
-            box["bytes"] = self.meter.read() - start - self.overhead
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)   # the slowest rank's
-        box["seconds"] = float(seconds)
-
-
-def _summed(values: list[int]) -> list[int]:
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
-    return [int(v) for v in t.tolist()]
-
-
-def _run_mode(args, mode: str, topo, plain, prompt, link: _Link, references: dict) -> dict:
+def _run_mode(args, mode: str, topo, plain, prompt, link: LinkWindow, references: dict) -> dict:
     from .. import zero
 
     quantized, in_mode = MODES[mode]
@@ -267,8 +196,8 @@ def _run_mode(args, mode: str, topo, plain, prompt, link: _Link, references: dic
             gen = meter.stats
         times.append(box["seconds"])
     seconds = statistics.median(times)
-    inter = _summed(gen.inter_node_bytes_per_forward)
-    intra = _summed(gen.intra_node_bytes_per_forward)
+    inter = summed(gen.inter_node_bytes_per_forward)
+    intra = summed(gen.intra_node_bytes_per_forward)
     after = max(1, len(inter) - 1)
     link_total = box["bytes"]
     link_first = first["bytes"]
@@ -297,7 +226,7 @@ def _rank_main(args) -> None:
     topo = Topology(args.ranks_per_node)
     plain = build_model(args)
     prompt = _prompt(args)
-    link = _Link(topo.rank)
+    link = LinkWindow(topo.rank)
     references, unsharded_tps = {}, None
     if topo.rank == 0:   # the fp32 reference, and the compute floor: rank 0 alone, no communication
         with torch.no_grad():

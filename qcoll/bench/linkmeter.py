@@ -10,9 +10,14 @@ the hub namespace from any namespace, so no privilege beyond the cluster's own i
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
+import time
+
+import torch
+import torch.distributed as dist
 
 ENV = "QCOLL_LINK_METER"
 
@@ -60,3 +65,46 @@ class LinkMeter:
     def read(self) -> int:
         """Bytes all nodes have sent across their links so far."""
         return sum(s["sent"] for s in hub_link_stats(self.hub, self.nodes))
+
+
+class LinkWindow:
+    """Rank 0's reading of the node links' byte counters around a window (None outside a cluster).
+
+    A barrier first lets what earlier collectives still had on the wire arrive (a rank leaves
+    a collective once its own part is done, while a peer's data may still queue at a shaped
+    link); the counters are then read before the barrier that opens the window and after the
+    one that closes it, so nothing of the window escapes; the two barriers' own bytes,
+    measured alone once, are subtracted. TCP acknowledgements that trail a window by a few
+    milliseconds may still land in the next one (tens of bytes)."""
+
+    def __init__(self, rank: int):
+        self.meter = LinkMeter.from_env() if rank == 0 else None
+        self.overhead = 0
+        dist.barrier()
+        start = self.meter.read() if self.meter is not None else None
+        dist.barrier()
+        dist.barrier()
+        if self.meter is not None:
+            self.overhead = self.meter.read() - start
+
+    @contextlib.contextmanager
+    def window(self):
+        box = {"bytes": None, "seconds": None}
+        dist.barrier()   # earlier traffic has arrived
+        start = self.meter.read() if self.meter is not None else None
+        dist.barrier()
+        t0 = time.perf_counter()
+        yield box
+        seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.barrier()
+        if self.meter is not None:
+            box["bytes"] = self.meter.read() - start - self.overhead
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)   # the slowest rank's
+        box["seconds"] = float(seconds)
+
+
+def summed(values: list[int]) -> list[int]:
+    """``values`` summed element-wise over the ranks (a collective)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return [int(v) for v in t.tolist()]
