@@ -62,7 +62,8 @@ def _packed(n: int, bits: int) -> int:
 def test_small_run_matches_the_unsharded_model_and_the_byte_rule(tmp_path):
     pytest.importorskip("transformers")
     argv = ["--tokens", "3", "--prompt-len", "4", "--layers", "2", "--d-model", "32", "--heads", "2", "--vocab", "128",
-            "--modes", "zero3", "zeropp", "zeropp-gen", "--warmup", "0"]
+            "--modes", "zero3", "zeropp", "zeropp-gen", "--warmup", "0",
+            "--max-cached-mib", "0"]  # the hpZ secondaries only (the cache's bytes: tests/test_zero_generation.py)
     env = dict(os.environ, PYTHONWARNINGS="ignore", QCOLL_PROGRESS="0")
     env.pop("RANK", None)
     p = subprocess.run([sys.executable, "-m", "qcoll.bench", "generate", *argv, "--nproc", str(W), "--ranks-per-node",
@@ -106,4 +107,6 @@ def test_small_run_matches_the_unsharded_model_and_the_byte_rule(tmp_path):
     assert gen["intra_bytes_first_forward"] == qwz_intra and gen["intra_bytes_per_token_after_first"] == hpz_intra
     assert all(r["forwards"] == 3 and r["link_bytes_total"] is None for r in runs.values())
     assert z3["speedup_vs_zero3"] == 1.0
+    assert gen["cached_bytes_per_rank"] == 0 and gen["secondary_bytes_per_rank"] > 0
+    assert all(r["vs_unsharded"] > 0 for r in runs.values())
     assert "zeropp-gen" in p.stdout and "tokens/s" in p.stdout

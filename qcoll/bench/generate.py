@@ -9,14 +9,17 @@ count fixed). Modes:
   token), without the mode (without hpZ it would gather the same, as the tests check);
 - ``zeropp``: ``ZeroConfig(weight_bits=--weight-bits, hpz=True)`` without the mode (qwZ
   gathers over the world for every token);
-- ``zeropp-gen``: the same inside ``model.generation_mode()``: the first forward's qwZ
-  gather keeps the hpZ secondary shards, every later one gathers inside the node.
+- ``zeropp-gen``: the same inside ``model.generation_mode(max_cached_bytes=--max-cached-mib)``:
+  the first forward's qwZ gather keeps the groups that fit the budget gathered (every later
+  forward gathers nothing) and the hpZ secondary shards of the others (every later forward
+  gathers those inside the node).
 
 Per mode: ``--warmup`` untimed generations of a few tokens, a 1-token generation
 that gives the cross-node bytes of the first forward on the node links (inside
 ``qcoll-bench cluster``), then ``--iters`` timed generations (the median is
-reported; seconds are the slowest rank's). Reported: tokens/s and the speed-up
-over ``zero3``; qcoll's byte counters summed over the ranks: inter-node bytes of
+reported; seconds are the slowest rank's). Reported: tokens/s, the speed-up
+over ``zero3`` and the ratio to the unsharded model generating on every rank at once
+(``vs_unsharded``: the same ranks and cores, no communication); qcoll's byte counters summed over the ranks: inter-node bytes of
 the first forward and per token after it, intra-node bytes per token; inside
 ``qcoll-bench cluster`` the bytes that crossed the node links (veth counters, the
 barriers around each window measured alone and subtracted); and whether the
@@ -26,12 +29,13 @@ exported quantized model). ``unsharded tokens/s`` is rank 0 generating alone
 with the plain model, no communication: the compute floor.
 
 JSON (``--json FILE``): ``{"command": "generate", "world", "ranks_per_node", "args",
-"model": {"arch", "params"}, "unsharded_tokens_per_s", "runs": [{"mode", "config",
+"model": {"arch", "params"}, "unsharded_tokens_per_s", "unsharded_all_ranks_tokens_per_s", "runs": [{"mode", "config",
 "generation_mode", "tokens", "seconds", "tokens_per_s", "speedup_vs_zero3", "forwards",
 "inter_bytes_first_forward", "inter_bytes_per_token_after_first", "intra_bytes_first_forward",
 "intra_bytes_per_token_after_first", "seconds_first_forward", "seconds_per_token_after_first",
 "link_bytes_first_forward", "link_bytes_per_token_after_first", "link_bytes_total",
-"reference", "tokens_match", "output_tokens"}]}`` (``link_*`` null outside a cluster; bytes
+"reference", "tokens_match", "output_tokens", "cached_bytes_per_rank", "secondary_bytes_per_rank",
+"vs_unsharded"}]}`` (``link_*`` null outside a cluster; bytes
 summed over the ranks; ``*_after_first``: mean per forward after the first).
 """
 from __future__ import annotations
@@ -72,6 +76,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="qwZ weight bits of the zeropp modes (default 8)")
     p.add_argument("--tokens", type=cli.positive_int, default=64, help="new tokens per timed generation (default 64)")
     p.add_argument("--prompt-len", type=cli.positive_int, default=16, help="prompt tokens (default 16)")
+    p.add_argument("--max-cached-mib", type=cli.nonnegative_int, default=None,
+                   help="zeropp-gen: generation_mode(max_cached_bytes=) in MiB per rank (default: no limit; 0: "
+                        "the hpZ secondary shards only)")
     add_model_options(p)
     cli.add_common_options(p, iters=1, warmup=1)
     p.set_defaults(func=main)
@@ -178,8 +185,10 @@ def _run_mode(args, mode: str, topo, plain, prompt, link: LinkWindow, references
         references[ref_key] = tokens
         dist.barrier()
 
+    budget = None if args.max_cached_mib is None else args.max_cached_mib * 2 ** 20
+
     def scope():
-        return model.generation_mode() if in_mode else contextlib.nullcontext()
+        return model.generation_mode(max_cached_bytes=budget) if in_mode else contextlib.nullcontext()
 
     for _ in range(args.warmup):
         with scope():
@@ -217,6 +226,8 @@ def _run_mode(args, mode: str, topo, plain, prompt, link: LinkWindow, references
         "reference": "exported quantized model" if quantized else "unsharded fp32 model",
         "tokens_match": None if reference is None else all(o == reference for o in outputs),
         "output_tokens": outputs[-1],
+        "cached_bytes_per_rank": gen.cached_bytes,
+        "secondary_bytes_per_rank": gen.secondary_bytes_peak,
     }
 
 
@@ -236,7 +247,9 @@ def _rank_main(args) -> None:
             unsharded_tps = args.tokens / (time.perf_counter() - t0)
     else:
         references[("fp32",)] = None
-    dist.barrier()
+    with link.window() as together, torch.no_grad():  # every rank its own unsharded copy at once: the same ranks'
+        _generate(plain, prompt, args.tokens)          # floor, sharing the cores as the sharded modes do
+    together_tps = args.tokens / together["seconds"]
     runs = []
     for mode in args.modes:
         if topo.rank == 0:
@@ -245,29 +258,31 @@ def _rank_main(args) -> None:
     base = next((r for r in runs if r["mode"] == "zero3"), None)
     for r in runs:
         r["speedup_vs_zero3"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
+        r["vs_unsharded"] = r["tokens_per_s"] / together_tps
     if topo.rank != 0:
         return
     params = sum(p.numel() for p in plain.parameters())
-    print(format_table(runs, unsharded_tps, args, params, topo), flush=True)
+    print(format_table(runs, unsharded_tps, together_tps, args, params, topo), flush=True)
     if args.json:
         cli.write_json(args.json, {
             "command": NAME, "world": topo.world_size, "ranks_per_node": topo.ranks_per_node,
             "args": {k: getattr(args, k) for k in ("modes", "weight_bits", "tokens", "prompt_len", "arch", "layers",
                                                     "d_model", "heads", "vocab", "seed", "warmup", "iters")},
-            "model": {"arch": args.arch, "params": params}, "unsharded_tokens_per_s": unsharded_tps, "runs": runs})
+            "model": {"arch": args.arch, "params": params}, "unsharded_tokens_per_s": unsharded_tps,
+            "unsharded_all_ranks_tokens_per_s": together_tps, "runs": runs})
 
 
 def _num(v, fmt: str = ".0f") -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def format_table(runs: list[dict], unsharded_tps, args, params: int, topo) -> str:
+def format_table(runs: list[dict], unsharded_tps, together_tps, args, params: int, topo) -> str:
     linked = any(r["link_bytes_total"] is not None for r in runs)
     head = (f"{'mode':>10} {'bits':>4} {'tokens/s':>9} {'vs zero3':>8} {'fwd1 s':>7} {'s/token':>8} "
             f"{'inter fwd1':>11} {'inter/tok':>10} {'intra/tok':>10}")
     if linked:
         head += f" {'link fwd1':>10} {'link/tok':>9}"
-    head += f" {'tokens':>7}"
+    head += f" {'vs unsh':>8} {'cache MB':>8} {'tokens':>7}"
     lines = [f"greedy generation of {args.tokens} tokens, {args.arch} {args.layers}x{args.d_model} "
              f"({params / 1e6:.2f} M params), {topo.world_size} ranks = {topo.num_nodes} nodes x "
              f"{topo.ranks_per_node}; bytes summed over ranks; /tok: mean per token after the first", head]
@@ -279,8 +294,10 @@ def format_table(runs: list[dict], unsharded_tps, args, params: int, topo) -> st
         if linked:
             line += f" {_num(r['link_bytes_first_forward']):>10} {_num(r['link_bytes_per_token_after_first']):>9}"
         match = {True: "same", False: "DIFFER", None: "-"}[r["tokens_match"]]
-        line += f" {match:>7}"
+        line += f" {_num(r['vs_unsharded'], '.2f'):>8} {r['cached_bytes_per_rank'] / 1e6:>8.2f} {match:>7}"
         lines.append(line)
-    lines.append(f"unsharded model, rank 0 alone (no communication): {_num(unsharded_tps, '.2f')} tokens/s; "
+    lines.append(f"unsharded model, no communication: {_num(unsharded_tps, '.2f')} tokens/s on rank 0 alone, "
+                 f"{together_tps:.2f} on every rank at once ('vs unsh': the sharded mode against the latter); "
+                 "cache MB: generation_mode's kept gathered weights per rank; "
                  "tokens compared with the unsharded fp32 model (zero3) or the exported quantized model (zeropp)")
     return "\n".join(lines)
