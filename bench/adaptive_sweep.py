@@ -1,9 +1,11 @@
 """SimiGrad on the emulated cluster: static global batches against adaptive batching, to one target loss.
 
 Run (root, iproute2): python bench/adaptive_sweep.py --out bench/adaptive_sweep.json
+(issue 29's: ``--link 20mbit --d-model 128 --accumulate-targets 0.8 ...``, see bench/RESULTS.md).
 Each configuration is one ``qcoll-bench cluster --nodes 2 --ranks-per-node 2 --link RATE -- train``
 command (ZeRO++ 8/4, the char transformer, sqrt LR scaling from --lr at --base-batch); static
-batches and adaptive targets run for --seeds seeds each, in an interleaved order (so the VM's
+batches and adaptive targets (one batch per step; ``--accumulate-targets``: micro-batches
+under ``no_sync`` with the gathered weights kept, ``--accumulate --keep-gathered``) run for --seeds seeds each, in an interleaved order (so the VM's
 drift hits all alike). Prints, per configuration, the median over seeds of samples and wall
 time until the 10-step running training loss reaches --target-loss, and the ratios of adaptive
 against the best static batch by samples and by wall time.
@@ -23,7 +25,7 @@ from qcoll.bench.cli import write_json
 
 def _train_args(a, batch, lr, seed, extra):
     return ["train", "--modes", "zeropp", "--steps", str(a.steps), "--warmup", "2", "--batch", str(batch),
-            "--d-model", str(a.d_model), "--layers", str(a.layers), "--heads", "2", "--context", str(a.context),
+            "--d-model", str(a.d_model), "--layers", str(a.layers), "--heads", str(a.heads), "--context", str(a.context),
             "--lr", f"{lr:.6g}", "--seed", str(seed), "--target-loss", str(a.target_loss), "--loss-window", "10", "--stop-at-target",
             *extra]
 
@@ -39,7 +41,8 @@ def _run(a, name, batch, lr, seed, extra):
         with open(out) as f:
             run = json.load(f)["runs"][0]["result"]["runs"][0]
     keep = ("samples_to_target", "time_to_target_s", "steps_to_target", "step_time_s", "final_loss")
-    row = {"config": name, "seed": seed, **{k: run[k] for k in keep}}
+    row = {"config": name, "seed": seed, **{k: run[k] for k in keep},
+           "inter_bytes_per_step": run["inter_bytes_per_step"], "memory": run["memory"]}
     if "batches" in run:
         row.update(batches=run["batches"], cosines=run["cosines"])
     print(f"{name:>14} seed {seed}: samples {row['samples_to_target']}, wall {row['time_to_target_s']}, "
@@ -52,6 +55,9 @@ def main(argv=None):
     p.add_argument("--link", default="100mbit")
     p.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     p.add_argument("--targets", type=float, nargs="+", default=[0.5, 0.8])
+    p.add_argument("--accumulate-targets", type=float, nargs="*", default=[],
+                   help="adaptive targets also run with --accumulate --keep-gathered")
+    p.add_argument("--heads", type=int, default=2)
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--base-batch", type=int, default=16)
@@ -67,6 +73,9 @@ def main(argv=None):
     configs = [(f"static-{b}", b, a.lr * (b / a.base_batch) ** 0.5, []) for b in a.batches]
     configs += [(f"adaptive-{t}", a.micro, a.lr * (a.micro / a.base_batch) ** 0.5,
                  ["--adaptive-batch", str(t), "--max-accumulation", str(a.max_accumulation)]) for t in a.targets]
+    configs += [(f"adaptive-acc-{t}", a.micro, a.lr * (a.micro / a.base_batch) ** 0.5,
+                 ["--adaptive-batch", str(t), "--max-accumulation", str(a.max_accumulation), "--accumulate",
+                  "--keep-gathered"]) for t in a.accumulate_targets]
     rows = [_run(a, name, b, lr, seed, extra) for seed in range(a.seeds) for name, b, lr, extra in configs]
     summary = {}
     for name, *_ in configs:

@@ -29,6 +29,7 @@ ARG_ERRORS = [
     (["--steps", "5", "--target-loss", "2", "--loss-window", "6"], "must not exceed --steps"),
     (["--stop-at-target"], "needs --target-loss"),
     (["--max-accumulation", "0"], "must be >= 1"),
+    (["--adaptive-batch", "0.8", "--keep-gathered"], "--keep-gathered needs --accumulate"),
 ]
 
 
@@ -64,3 +65,4 @@ def test_adaptive_run_reports_cosine_batch_lr_and_time_to_target(tmp_path):
     want = to_target(run["losses"], run["batches"], run["step_seconds"], 5.2, 2)
     assert (run["samples_to_target"], run["time_to_target_s"], run["steps_to_target"]) == want
     assert "cosine" in p.stdout and "samples>tgt" in p.stdout
+    assert run["memory"]["gathered_peak_kib"] > 0

@@ -4,7 +4,8 @@ A step's batch is ``accumulation_steps`` micro-batches of ``--batch`` sequences 
 global micro-batch), run as one forward and backward of that many sequences (one
 weight gather and one gradient reduction per step, which is what a larger batch
 amortizes on a slow link; ``--accumulate`` runs them one by one under ``no_sync``
-instead, as SimiGrad does where memory is short). The reduction measures the
+instead, as SimiGrad does where memory is short; ``--keep-gathered`` then keeps the gathered
+weights across them, ``ZeroConfig(reshard_after_backward=False)``). The reduction measures the
 half-batch cosine; the controller (:class:`qcoll.zero.AdaptiveBatch`) then sets the
 next step's batch and the learning rate (``--lr`` x sqrt(batch / batch0)). Also :func:`to_target`: samples and
 wall time until the running mean of the training loss reaches ``--target-loss``,
@@ -79,4 +80,5 @@ def run(args, mode_config: dict, topo, model, units: list) -> dict:
         record["inter_bytes"].append(stats.stats.inter_bytes)
         if args.stop_at_target and reached(record["losses"], args.target_loss, args.loss_window):
             break  # every rank holds the same losses: the same decision
+    record["gathered_peak"] = zero.memory_report(m)["gathered_peak"]
     return record

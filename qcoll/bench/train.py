@@ -157,6 +157,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="most micro-batches of --batch per adaptive step (default 16)")
     g.add_argument("--accumulate", action="store_true",
                    help="adaptive: run a step's micro-batches one by one under no_sync (default: as one batch)")
+    g.add_argument("--keep-gathered", action="store_true",
+                   help="adaptive with --accumulate: keep the gathered weights across a step's micro-batches "
+                        "(ZeroConfig(reshard_after_backward=False)): each weight crosses the link once per step")
     g.add_argument("--similarity-window", type=cli.positive_int, default=5,
                    help="adaptive: mean of the last N cosines is compared with the target (default 5)")
     g.add_argument("--target-loss", type=float, default=None,
@@ -179,6 +182,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--adaptive-batch must be a cosine in (0, 1), got {args.adaptive_batch}")
     if args.adaptive_batch is not None and (args.peer or set(args.modes) & set(fsdp_runs.RUNS)):
         parser.error("--adaptive-batch runs qcoll.zero's modes only (no --peer, no FSDP2 modes)")
+    if args.keep_gathered and not args.accumulate:
+        parser.error("--keep-gathered needs --accumulate (it keeps the weights across the micro-batches of a step)")
     if args.stop_at_target and args.target_loss is None:
         parser.error("--stop-at-target needs --target-loss")
     if args.target_loss is not None and args.loss_window > args.steps:
@@ -362,7 +367,8 @@ def _rank_main(args) -> None:
                                                                            "context", "d_model", "layers", "heads",
                                                                            "lr", "seed", "prefetch", "units",
                                                                            "warmup", "adaptive_batch",
-                                                                           "max_accumulation", "accumulate", "similarity_window",
+                                                                           "max_accumulation", "accumulate", "keep_gathered",
+                                                                           "similarity_window",
                                                                            "target_loss", "loss_window", "stop_at_target")},
                                    "runs": runs})
     if args.plot:
@@ -371,7 +377,8 @@ def _rank_main(args) -> None:
 
 def _adaptive_run(args, mode, topo) -> dict:
     model = build_model(args)
-    rec = adaptive.run(args, mode_config(args, mode), topo, model, model_units(args, model))
+    config = {**mode_config(args, mode), "reshard_after_backward": not args.keep_gathered}
+    rec = adaptive.run(args, config, topo, model, model_units(args, model))
     seconds = statistics.median(rec["seconds"][args.warmup:] or rec["seconds"])
     samples, wall, steps = adaptive.to_target(rec["losses"], rec["batches"], rec["seconds"], args.target_loss,
                                               args.loss_window)
@@ -379,6 +386,6 @@ def _adaptive_run(args, mode, topo) -> dict:
     return {"mode": f"{mode}+adaptive", "step_time_s": seconds, "tokens_per_s": tokens / seconds,
             "losses": rec["losses"], "first_loss": rec["losses"][0], "final_loss": rec["losses"][-1],
             "intra_bytes_per_step": None, "inter_bytes_per_step": rec["inter_bytes"][-1], "link_bytes_per_step": None,
-            "memory": {}, "samples_to_target": samples, "time_to_target_s": wall, "steps_to_target": steps,
+            "memory": {"gathered_peak_kib": rec["gathered_peak"] / 1024}, "samples_to_target": samples, "time_to_target_s": wall, "steps_to_target": steps,
             "collectives_per_step": None, "inter_collectives_per_step": None, "collectives_by_op": None,
             "cosines": rec["cosines"], "batches": rec["batches"], "lrs": rec["lrs"], "step_seconds": rec["seconds"]}
