@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from . import cli
 from .ranks import run_ranks
-from .hf_decoder import add_model_options, build_decoder, check_model_options
+from .hf_decoder import add_cache_option, add_model_options, build_decoder, cache_bytes, check_command
 from .linkmeter import LinkWindow, summed
 
 NAME = "generate"
@@ -76,9 +76,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="qwZ weight bits of the zeropp modes (default 8)")
     p.add_argument("--tokens", type=cli.positive_int, default=64, help="new tokens per timed generation (default 64)")
     p.add_argument("--prompt-len", type=cli.positive_int, default=16, help="prompt tokens (default 16)")
-    p.add_argument("--max-cached-mib", type=cli.nonnegative_int, default=None,
-                   help="zeropp-gen: generation_mode(max_cached_bytes=) in MiB per rank (default: no limit; 0: "
-                        "the hpZ secondary shards only)")
+    add_cache_option(p)
     add_model_options(p)
     cli.add_common_options(p, iters=1, warmup=1)
     p.set_defaults(func=main)
@@ -86,12 +84,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    if args.plot is not None:
-        parser.error("--plot: generate draws no plot (its figures are in the table and --json)")
-    cli.check_common(parser, args)
-    check_model_options(parser, args)
-    if len(set(args.modes)) != len(args.modes):
-        parser.error(f"--modes lists a mode twice: {' '.join(args.modes)}")
+    check_command(parser, args)
     run_ranks(_rank_main, args, args.nproc, args.ranks_per_node)
     return 0
 
@@ -185,7 +178,7 @@ def _run_mode(args, mode: str, topo, plain, prompt, link: LinkWindow, references
         references[ref_key] = tokens
         dist.barrier()
 
-    budget = None if args.max_cached_mib is None else args.max_cached_mib * 2 ** 20
+    budget = cache_bytes(args)
 
     def scope():
         return model.generation_mode(max_cached_bytes=budget) if in_mode else contextlib.nullcontext()

@@ -1,4 +1,5 @@
-"""The Hugging Face decoder that ``generate`` and ``rlhf`` build from a config (random weights, no downloads)."""
+"""What ``generate`` and ``rlhf`` share: the Hugging Face decoder they build from a config (random
+weights, no downloads), its options, the generation cache's option and their checks."""
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,26 @@ def add_model_options(p: argparse.ArgumentParser, *, d_model: int = 256, vocab: 
     g.add_argument("--seed", type=int, default=0, help="model and prompt seed (default 0)")
 
 
-def check_model_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``parser.error`` for model options that cannot build a model, or without transformers."""
+def add_cache_option(p: argparse.ArgumentParser) -> None:
+    """``--max-cached-mib``: ``zeropp-gen``'s ``generation_mode(max_cached_bytes=)`` (:func:`cache_bytes`)."""
+    p.add_argument("--max-cached-mib", type=cli.nonnegative_int, default=None,
+                   help="zeropp-gen: generation_mode(max_cached_bytes=) in MiB per rank (default: no limit; 0: "
+                        "the hpZ secondary shards only)")
+
+
+def cache_bytes(args) -> int | None:
+    """``--max-cached-mib`` in bytes (None: no limit)."""
+    return None if args.max_cached_mib is None else args.max_cached_mib * 2 ** 20
+
+
+def check_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``parser.error`` for ``--plot`` (no plot), the shared options, a mode listed twice, and
+    model options that cannot build a model, or a missing transformers."""
+    if args.plot is not None:
+        parser.error(f"--plot: {parser.prog} draws no plot (its figures are in the table and --json)")
+    cli.check_common(parser, args)
+    if len(set(args.modes)) != len(args.modes):
+        parser.error(f"--modes lists a mode twice: {' '.join(args.modes)}")
     if args.d_model % args.heads:
         parser.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
     if (args.d_model // args.heads) % 2 and args.arch == "llama":
@@ -29,7 +48,7 @@ def check_model_options(parser: argparse.ArgumentParser, args: argparse.Namespac
     if args.vocab < 3:
         parser.error(f"--vocab must be >= 3 (tokens 0 and 1 are reserved), got {args.vocab}")
     if importlib.util.find_spec("transformers") is None:
-        parser.error(f"{args.command} needs transformers (pip install transformers, or the test extra)")
+        parser.error(f"{parser.prog} needs transformers (pip install transformers, or the test extra)")
 
 
 def build_decoder(args, positions: int):

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from . import cli
-from .hf_decoder import add_model_options, build_decoder, check_model_options
+from .hf_decoder import add_cache_option, add_model_options, build_decoder, cache_bytes, check_command
 from .linkmeter import LinkWindow, summed
 from .ranks import run_ranks
 from . import rlhf_loop as loop
@@ -63,9 +63,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kl-coef", type=float, default=0.1, help="KL penalty coefficient (default 0.1)")
     p.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip (default 0.2)")
     p.add_argument("--lr", type=float, default=3e-4, help="Adam learning rate of the actor (default 3e-4)")
-    p.add_argument("--max-cached-mib", type=cli.nonnegative_int, default=None,
-                   help="zeropp-gen: generation_mode(max_cached_bytes=) in MiB per rank (default: no limit; 0: "
-                        "the hpZ secondary shards only)")
+    add_cache_option(p)
     add_model_options(p, d_model=128, vocab=4096)
     cli.add_common_options(p, iters=3, warmup=1)
     p.set_defaults(func=main)
@@ -73,12 +71,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    if args.plot is not None:
-        parser.error("--plot: rlhf draws no plot (its figures are in the table and --json)")
-    cli.check_common(parser, args)
-    check_model_options(parser, args)
-    if len(set(args.modes)) != len(args.modes):
-        parser.error(f"--modes lists a mode twice: {' '.join(args.modes)}")
+    check_command(parser, args)
     if args.prompts < 2:
         parser.error(f"--prompts must be >= 2 (the advantages subtract the batch mean), got {args.prompts}")
     for name in ("kl_coef", "clip", "lr"):
@@ -143,7 +136,7 @@ def _run_mode(args, mode: str, topo, plain, link: LinkWindow) -> tuple[dict, lis
     ref = copy.deepcopy(plain).requires_grad_(False)
     ref = zero.shard(ref, topo, config)
     opt = zero.Optimizer(actor, torch.optim.Adam, lr=args.lr)
-    budget = None if args.max_cached_mib is None else args.max_cached_mib * 2 ** 20
+    budget = cache_bytes(args)
 
     def scope():
         return actor.generation_mode(max_cached_bytes=budget) if in_mode else contextlib.nullcontext()
