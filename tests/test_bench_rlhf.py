@@ -144,7 +144,8 @@ def test_cli_runs_the_modes_and_writes_the_split(tmp_path):
     (["--modes", "zero3", "zero3"], "--modes lists a mode twice"),
     (["--d-model", "30", "--heads", "4"], "--d-model 30 is not divisible by --heads 4"),
 ])
-def test_cli_errors_name_the_argument(bad, message):
-    proc = subprocess.run([sys.executable, "-m", "qcoll.bench", "rlhf", *bad], capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+def test_cli_errors_name_the_argument(bad, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["rlhf", *bad])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and message in err[0], err
