@@ -46,6 +46,7 @@ class Tuner:
         check_int(seed, "seed")
         self.space, self.seed = space, seed
         self.trials: list[Trial] = []
+        self.restarts = 0                 # restart() calls: each draws with another seed
 
     def ask(self) -> tuple:
         raise NotImplementedError
@@ -59,6 +60,19 @@ class Tuner:
         self._observe(self.trials[-1])
 
     def _observe(self, trial: Trial) -> None:
+        pass
+
+    def restart(self, keep: list[Trial] = ()) -> None:
+        """The workload changed (a link, a model): forget every measurement and start over, told
+        only ``keep`` (measurements made since the change). Each restart draws anew (seeded)."""
+        keep = list(keep)
+        self.restarts += 1
+        self.trials = []
+        self._forget()
+        for t in keep:
+            self.tell(t.point, t.cost, t.feasible)
+
+    def _forget(self) -> None:
         pass
 
     def best(self) -> Trial | None:
@@ -84,8 +98,11 @@ class RandomSearch(Tuner):
 
     def __init__(self, space: Space, seed: int = 0):
         super().__init__(space, seed)
-        self._order = space.points()
-        random.Random(seed).shuffle(self._order)
+        self._forget()
+
+    def _forget(self) -> None:
+        self._order = self.space.points()
+        random.Random(self.seed + 7919 * self.restarts).shuffle(self._order)
 
     def ask(self) -> tuple:
         seen = {t.point for t in self.trials}
@@ -101,7 +118,12 @@ class TPE(Tuner):
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self._optuna = optuna
-        self._study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=seed), direction="minimize")
+        self._forget()
+
+    def _forget(self) -> None:
+        seed = self.seed + 7919 * self.restarts
+        self._study = self._optuna.create_study(sampler=self._optuna.samplers.TPESampler(seed=seed),
+                                                direction="minimize")
         self._pending = {}
 
     def ask(self) -> tuple:
@@ -112,10 +134,17 @@ class TPE(Tuner):
 
     def _observe(self, t: Trial) -> None:
         waiting = self._pending.get(t.point)
+        fail = self._optuna.trial.TrialState.FAIL
         if waiting:
             # an infeasible point is a failed trial for TPE, never a good one
-            self._study.tell(waiting.pop(0), t.cost if t.feasible else None,
-                             state=None if t.feasible else self._optuna.trial.TrialState.FAIL)
+            self._study.tell(waiting.pop(0), t.cost if t.feasible else None, state=None if t.feasible else fail)
+            return
+        # a measurement TPE did not ask for (the configuration the run started with, one kept across a restart)
+        dist = {k.name: self._optuna.distributions.CategoricalDistribution(list(range(len(k.values))))
+                for k in self.space.knobs}
+        self._study.add_trial(self._optuna.trial.create_trial(
+            params={k.name: i for k, i in zip(self.space.knobs, t.point)}, distributions=dist,
+            value=t.cost if t.feasible else None, state=self._optuna.trial.TrialState.COMPLETE if t.feasible else fail))
 
 
 def _features(points: np.ndarray) -> np.ndarray:
@@ -154,6 +183,11 @@ class RRL(Tuner):
         self.drifts = 0
         self.resets = 0
         self.errors: deque[float] = deque(maxlen=8)   # recent relative prediction errors
+
+    def _forget(self) -> None:
+        self._rng = random.Random(self.seed + 7919 * self.restarts)
+        self.Q, self.measured, self.drifts = None, {}, 0
+        self.errors.clear()
 
     def ask(self) -> tuple:
         if self.Q is None:
