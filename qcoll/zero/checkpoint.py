@@ -133,10 +133,13 @@ def _restore_adaptive(ctl, saved: dict) -> None:
                          "last_cosine": float(saved["last_cosine"]), "base_lrs": saved["base_lrs"].tolist()})
 
 
-def _check(model, optimizer, adaptive=None):
+def _check(model, optimizer, adaptive=None, autotune=None):
     from .adaptive import AdaptiveBatch
 
     state_of(model)  # a TypeError unless qcoll.zero.shard(...) sharded it
+    if autotune is not None and (getattr(autotune, "model", None) is not model
+                                 or not callable(getattr(autotune, "load_state_dict", None))):
+        raise TypeError("autotune must be the qcoll.tune.AutoTune of this model")
     if adaptive is not None and (not isinstance(adaptive, AdaptiveBatch) or adaptive.optimizer is not optimizer):
         raise TypeError("adaptive must be the qcoll.zero.AdaptiveBatch of this optimizer")
     if optimizer is not None and (not isinstance(optimizer, Optimizer) or optimizer.model is not model):
@@ -151,7 +154,7 @@ def _install(tmp: str, path: str):
         raise
 
 
-def save(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=None) -> None:
+def save(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=None, autotune=None) -> None:
     """Save the sharded model (and optimizer) state to ``checkpoint_dir`` (collective).
 
     ``checkpoint_dir`` (a str or os.PathLike) is replaced as a whole and atomically: every rank
@@ -164,13 +167,17 @@ def save(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
     empty and not a checkpoint is refused with a ValueError, untouched. One save at a time per
     directory.
 
+    ``adaptive``: an :class:`~qcoll.zero.AdaptiveBatch` whose state is stored too; ``autotune``: a
+    :class:`qcoll.tune.AutoTune` of this model, whose measurements and phase are stored as JSON (a
+    resumed run goes on from them instead of exploring again).
+
     Only tensors are stored: the optimizer's hyper-parameters as JSON (None, bool, int, float,
     str, tuples, lists, str-keyed dicts, real tensors; anything else is a TypeError naming it).
     A failure inside ``torch.distributed.checkpoint`` on some rank raises, on every rank, a
     :class:`~qcoll.zero.checkpoint_safety.CheckpointOSError` (an OSError, e.g. ENOSPC) or a
     :class:`~qcoll.zero.checkpoint_safety.CheckpointError` naming that rank's error.
     """
-    _check(model, optimizer, adaptive)
+    _check(model, optimizer, adaptive, autotune)
     path = atomic_dir.checkpoint_path(checkpoint_dir)
     state_of(model).engine.wait_reduces()
     state_of(model).engine.sync_buffers()  # every rank's buffers rank 0's: DCP writes each from any rank
@@ -184,6 +191,8 @@ def save(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
             state["optim"]["param_groups"] = encode_param_groups(optimizer.optimizer.param_groups)
         if adaptive is not None:
             state["adaptive"] = _adaptive_state(adaptive)
+        if autotune is not None:  # JSON text, the same on every rank (rank 0's measurements)
+            state["autotune"] = {"state": json_tensor(autotune.state_dict())}
         try:
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, overwrite=False))
         except CheckpointException as e:
@@ -201,7 +210,7 @@ def save(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
         atomic_dir.discard(superseded)
 
 
-def load(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=None) -> None:
+def load(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=None, autotune=None) -> None:
     """Load a checkpoint written by :func:`save`, with any world size (collective).
 
     FileNotFoundError when ``checkpoint_dir`` does not exist or holds no checkpoint (on every
@@ -216,8 +225,9 @@ def load(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
     keys, size mismatches, and (in checkpoints that record them) other parameter names or shapes
     in a group raise a ValueError listing them before any tensor is changed. A failure while
     reading (a truncated or missing data file) raises a ``CheckpointError`` or ``CheckpointOSError``
-    naming the rank and the file; the model may then be partly loaded: load again."""
-    _check(model, optimizer, adaptive)
+    naming the rank and the file; the model may then be partly loaded: load again. ``adaptive`` and
+    ``autotune`` (as in :func:`save`) are restored when given; the checkpoint must hold them."""
+    _check(model, optimizer, adaptive, autotune)
     path = atomic_dir.checkpoint_path(checkpoint_dir)
     state_of(model).engine.wait_reduces()
     path = on_rank0(atomic_dir.resolve_load, path)
@@ -229,7 +239,7 @@ def load(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
             state["optim"] = _optimizer_state(optimizer, scaler="optim.loss_scaler" in md.state_dict_metadata)
         if adaptive is not None:
             state["adaptive"] = _adaptive_state(adaptive)
-        hparams = _compare(path, md, state, model, optimizer, adaptive)
+        hparams, tuned = _compare(path, md, state, model, optimizer, adaptive, autotune)
         _dcp_load(state, path, md)
     except BaseException:
         if created:  # the optimizer is left as it was: without state
@@ -252,6 +262,8 @@ def load(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
         _restore_optimizer(optimizer, state["optim"], hparams, groups)
     if adaptive is not None:
         _restore_adaptive(adaptive, state["adaptive"])
+    if autotune is not None:
+        autotune.load_state_dict(tuned)
 
 
 def _dcp_load(state: dict, path: str, md) -> None:
@@ -274,18 +286,22 @@ def _flat_sizes(state: dict, prefix: str = "") -> dict:
 _JSON_LIMIT = 1 << 26  # bytes: the JSON entries are a few KiB; a crafted size must not allocate without bound
 
 
-def _compare(path: str, md, state: dict, model, optimizer, adaptive) -> list | None:
+def _compare(path: str, md, state: dict, model, optimizer, adaptive, autotune=None) -> tuple:
     """The ValueError listing every difference between the checkpoint and ``state`` (keys, sizes) and
-    the model's layout; else the checkpoint's optimizer hyper-parameters (None without an optimizer)."""
+    the model's layout; else ``(the checkpoint's optimizer hyper-parameters, its AutoTune state)``
+    (each None when not asked for)."""
     expected = _flat_sizes(state)
     if optimizer is not None:
         expected["optim.param_groups"] = None
+    if autotune is not None:
+        expected["autotune.state"] = None
     owned = ("model.", "engine.") + (("optim.",) if optimizer is not None else ()) + (
-        ("adaptive.",) if adaptive is not None else ())
+        ("adaptive.",) if adaptive is not None else ()) + (("autotune.",) if autotune is not None else ())
     diffs = differences(expected, md, owned, optional=("model.layout", "optim.loss_scaler"))
     entries = md.state_dict_metadata
     small = {}
-    for key in ("model.layout",) + (("optim.param_groups",) if optimizer is not None else ()):
+    for key in ("model.layout",) + (("optim.param_groups",) if optimizer is not None else ()) + (
+            ("autotune.state",) if autotune is not None else ()):
         if key in entries:
             size, dtype = entries[key].size, entries[key].properties.dtype
             if len(size) != 1 or dtype != torch.uint8 or size[0] > _JSON_LIMIT:
@@ -307,7 +323,8 @@ def _compare(path: str, md, state: dict, model, optimizer, adaptive) -> list | N
         raise ValueError(f"qcoll.zero.load: checkpoint {path!r} does not match the "
                          f"{'model and optimizer' if optimizer is not None else 'model'} ({len(diffs)} "
                          "difference(s)); nothing was loaded:\n  " + "\n  ".join(diffs))
-    return hparams
+    tuned = from_json_tensor(small["autotune.state"], f"{path}: autotune.state") if "autotune.state" in small else None
+    return hparams, tuned
 
 
 def _restore_optimizer(opt: Optimizer, saved: dict, hparams: list, groups: dict) -> None:
