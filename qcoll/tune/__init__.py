@@ -4,10 +4,19 @@
     tuner = qcoll.tune.RRL(space, seed=0)
     history = qcoll.tune.run(tuner, measure, budget=30)   # measure(config) -> (step seconds, feasible)
     best = tuner.best(); print(qcoll.tune.zero_config_line(space.config(best.point)))
+
+Online, in the training loop (the wire format switched between steps, every rank at once)::
+
+    auto = qcoll.tune.AutoTune(model)                    # a model sharded by qcoll.zero.shard
+    for x, y in batches:
+        model(x, y).backward(); opt.step(); auto.update(); opt.zero_grad()
 """
 from .replay import Table, replay, replay_change
-from .space import ZEROPP_KNOBS, Knob, Space, deepspeed_json, zero_config_line, zeropp_space
+from .autotune import AutoTune
+from .online_policy import OnlinePolicy
+from .space import (ONLINE_KNOBS, ZEROPP_KNOBS, Knob, Space, config_label, deepspeed_json, online_space,
+                    zero_config_line, zeropp_space)
 from .tuners import RRL, TPE, TUNERS, Exhaustive, RandomSearch, Trial, Tuner, run, trials_to_within
 
-__all__ = ["Knob", "Space", "ZEROPP_KNOBS", "zeropp_space", "zero_config_line", "deepspeed_json", "Tuner", "Trial",
+__all__ = ["AutoTune", "OnlinePolicy", "ONLINE_KNOBS", "online_space", "config_label", "Knob", "Space", "ZEROPP_KNOBS", "zeropp_space", "zero_config_line", "deepspeed_json", "Tuner", "Trial",
            "RRL", "RandomSearch", "TPE", "Exhaustive", "TUNERS", "run", "trials_to_within", "Table", "replay", "replay_change"]

@@ -67,6 +67,42 @@ ZEROPP_KNOBS = [
 ]
 
 
+#: the knobs :class:`qcoll.tune.AutoTune` switches between training steps (ZeroConfig field names): only
+#: the wire format, never the layout (``weight_block``, ``persist_threshold`` and ``compute_dtype`` are
+#: fixed when the model is sharded; :mod:`qcoll.zero.reconfigure`). 384 configurations.
+ONLINE_KNOBS = [
+    Knob("weight_bits", (4, 6, 8, None)),
+    Knob("grad_bits", (4, (8, 4), 8, None)),
+    Knob("hpz", (False, True)),
+    Knob("prefetch", (0, 1, 2)),
+    Knob("reduce_bucket_numel", (0, 1_000_000)),
+    Knob("hierarchical_gather", (False, True)),
+]
+
+
+def online_space(knobs: list[Knob] | None = None) -> Space:
+    """The space :class:`qcoll.tune.AutoTune` searches by default (``ONLINE_KNOBS``)."""
+    return Space(list(knobs or ONLINE_KNOBS))
+
+
+def config_label(config: dict) -> str:
+    """A short label of a configuration of ZeroConfig fields, e.g. ``w8 g4 hpz pf1 b0 hier``."""
+    names = {"weight_bits": "w", "grad_bits": "g", "prefetch": "pf", "reduce_bucket_numel": "b",
+             "weight_block": "wb", "grad_block": "gb"}
+    flags = {"hpz": "hpz", "hierarchical_gather": "hier"}
+    parts = []
+    for k, v in config.items():
+        if k in flags:
+            parts.append(flags[k] if v else f"no-{flags[k]}")
+        elif k == "grad_bits" and isinstance(v, tuple):
+            parts.append(f"g{v[0]}/{v[1]}")
+        elif k == "reduce_bucket_numel":
+            parts.append(f"b{v // 1000}k" if v else "b0")
+        else:
+            parts.append(f"{names.get(k, k + '=')}{'-' if v is None else v}")
+    return " ".join(parts)
+
+
 def zeropp_space(knobs: list[Knob] | None = None) -> Space:
     """The ZeRO++ space (``ZEROPP_KNOBS``, or a subset/variant of it)."""
     return Space(list(knobs or ZEROPP_KNOBS))

@@ -1,0 +1,244 @@
+"""``AutoTune``: the fastest communication configuration for the link the job has, found and kept
+while it trains (RRL from :mod:`qcoll.tune`, online).
+
+    model = qcoll.zero.shard(model, topo)                 # quantized weights: a block-aligned layout
+    opt = qcoll.zero.Optimizer(model, torch.optim.AdamW, lr=1e-3)
+    auto = qcoll.tune.AutoTune(model)                     # every rank
+    for x, y in batches:
+        model(x, y).backward(); opt.step(); auto.update(); opt.zero_grad()
+
+:meth:`AutoTune.update` is called once per training step on every rank, after the optimizer step
+(and before ``zero_grad``: the gradients are read for the error budget). It times the steps and,
+when rank 0's :class:`~qcoll.tune.OnlinePolicy` decides, switches the model's wire format with
+:func:`qcoll.zero.reconfigure.reconfigure`, on every rank before the same forward: rank 0 broadcasts
+each decision (a few int64; the bytes are counted in :mod:`qcoll.comm.stats` as
+``autotune.decision``), and the other ranks hear from it only at decision steps (the policy says
+in its broadcast how many steps pass until the next). Only the wire format changes: the master
+weights, gradients and optimizer state are the same tensors, so a run that switches computes
+what a run using each configuration for the same steps computes.
+
+Feasibility: before a configuration runs, the codec's relative error on the model's live weights
+and gradients (:mod:`qcoll.tune.live_error`; one 32-byte all-reduce) must be within
+``weight_error`` / ``grad_error``; configurations over budget are told to the tuner as infeasible
+and never run.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..checks import check_int
+from ..comm.stats import stats
+from ..zero.reconfigure import layout_allows, reconfigure, with_knobs
+from ..zero.state import state_of
+from .live_error import relative_errors
+from .online_policy import OnlinePolicy
+from .space import Space, config_label, online_space
+from .tuners import TUNERS
+
+_CHECK, _SWITCH, _KEEP = 0, 1, 2
+
+
+class AutoTune:
+    """Online configuration search for a model sharded by :func:`qcoll.zero.shard` (module docstring).
+
+    ``tuner``: ``"rrl"`` (default), ``"random"`` or ``"tpe"`` (optuna). ``space``: a
+    :class:`~qcoll.tune.Space` of ZeroConfig fields (default :func:`~qcoll.tune.online_space`:
+    weight bits 4/6/8/None, gradient bits 4/(8,4)/8/None, hpZ, prefetch 0-2, reduce bucket 0/1M,
+    hierarchical gathers); the configuration the model was sharded with must be one of its points
+    (it is measured first). ``window``, ``explore``, ``reexplore``, ``abort``, ``drift_tolerance``,
+    ``drift_patience``: :class:`~qcoll.tune.OnlinePolicy`. ``weight_error`` / ``grad_error``: the
+    budgets of the codec's relative L2 error on the live weights and gradients. ``seed``: the
+    tuner's.
+
+    After each :meth:`update`: ``config`` (the ZeroConfig in use), ``label``, ``history`` (per step
+    after the first: ``step``, ``label``, ``seconds`` (this rank's), ``phase``), ``switches``,
+    ``decision_bytes`` (this rank's part of the decisions' broadcasts and error all-reduces).
+    """
+
+    def __init__(self, model, tuner: str = "rrl", space: Space | None = None, window: int = 4, explore: int = 12,
+                 reexplore: int | None = 8, abort: float = 1.5, drift_tolerance: float = 0.2, drift_patience: int = 2,
+                 weight_error: float = 0.15, grad_error: float = 0.25, seed: int = 0):
+        state = state_of(model)
+        if tuner not in ("rrl", "random", "tpe"):
+            raise ValueError(f"tuner must be 'rrl', 'random' or 'tpe', got {tuner!r}")
+        space = online_space() if space is None else space
+        if not isinstance(space, Space):
+            raise TypeError(f"space must be a qcoll.tune.Space, got {type(space).__name__}")
+        fields = set(type(state.config).__dataclass_fields__)
+        unknown = [k.name for k in space.knobs if k.name not in fields]
+        if unknown:
+            raise ValueError(f"space knobs must be ZeroConfig fields; unknown: {unknown}")
+        for name, value in (("weight_error", weight_error), ("grad_error", grad_error)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        self.model, self.space, self.tuner_name, self.seed = model, space, tuner, check_int(seed, "seed")
+        self.weight_error, self.grad_error = float(weight_error), float(grad_error)
+        self.base = state.config
+        self.point = self._point_of(state.config)
+        for k in space.knobs:  # every configuration of the space must be buildable on this layout
+            if k.name == "weight_bits" and not all(layout_allows(model, with_knobs(self.base, weight_bits=v))
+                                                   for v in k.values):
+                raise ValueError("AutoTune switches to quantized weights, which need a block-aligned layout: "
+                                 "shard the model with quantized weights (e.g. the default ZeroConfig(); AutoTune "
+                                 "may still pick weight_bits=None)")
+        self.rank = dist.get_rank()
+        self.policy = None
+        if self.rank == 0:
+            self.policy = OnlinePolicy(TUNERS[tuner](space, seed=seed), self.point, window=window, explore=explore,
+                                       reexplore=reexplore, abort=abort, drift_tolerance=drift_tolerance,
+                                       drift_patience=drift_patience, feasible=self._feasible)
+        self._settings = dict(window=window, explore=explore, reexplore=reexplore, abort=abort,
+                              drift_tolerance=drift_tolerance, drift_patience=drift_patience)
+        self._next = window         # steps until the next decision (the same on every rank)
+        self._last = None           # perf_counter at the previous update
+        self._errors = {}           # rank 0: (weight_bits, grad_bits) -> feasible, per exploration
+        self.steps = 0
+        self.switches = 0
+        self.decision_bytes = 0
+        self.history: list[dict] = []
+        self.last_errors: dict | None = None   # the last error check: label, weight, grad
+
+    # ------------------------------------------------------------------ what runs
+    @property
+    def config(self):
+        """The :class:`~qcoll.zero.ZeroConfig` the model runs now."""
+        return state_of(self.model).config
+
+    @property
+    def label(self) -> str:
+        return config_label(self.space.config(self.point))
+
+    @property
+    def phase(self) -> str:
+        """``"explore"`` or ``"exploit"`` (rank 0's; ``"follow"`` on the other ranks)."""
+        return self.policy.phase.value if self.policy is not None else "follow"
+
+    def _point_of(self, config) -> tuple:
+        point = []
+        for k in self.space.knobs:
+            value = getattr(config, k.name)
+            if value not in k.values:
+                raise ValueError(f"the model's {k.name}={value!r} is not among the space's values {k.values}: "
+                                 f"shard with one of them, or add it to the knob")
+            point.append(k.values.index(value))
+        return tuple(point)
+
+    # ------------------------------------------------------------------ the step
+    def update(self) -> None:
+        """End of a training step (every rank, after ``optimizer.step()``, before ``zero_grad()``):
+        time it, and at decision steps switch the configuration on every rank. The first call
+        only starts the clock."""
+        now = time.perf_counter()
+        if self._last is None:
+            self._last = now
+            return
+        seconds, self._last = now - self._last, now
+        self.steps += 1
+        self.history.append({"step": self.steps, "label": self.label, "seconds": seconds, "phase": self.phase})
+        if self.policy is not None:
+            self.policy.observe(seconds)
+        self._next -= 1
+        if self._next == 0:
+            self._decide()
+
+    def _decide(self) -> None:
+        if self.policy is not None:
+            point = self.policy.decide()   # its feasibility checks are collectives (_feasible)
+            _, due, _ = self._send(_SWITCH if point is not None else _KEEP, self.policy.due(), self.policy.current)
+        else:
+            while True:
+                kind, due, point = self._send(None, 0, self.point)
+                if kind != _CHECK:
+                    break
+                self._check(point)
+        self._next = due
+
+    def _send(self, kind, due: int, point) -> tuple:
+        """Rank 0 broadcasts ``[kind, due, *point]``; every rank applies a switch and returns the message."""
+        msg = torch.tensor([-1 if kind is None else kind, due, *point], dtype=torch.int64)
+        dist.broadcast(msg, src=0)
+        sent = msg.numel() * msg.element_size() if self.rank == 0 else 0
+        self.decision_bytes += sent
+        stats.add("autotune.decision", None, sent)
+        kind, due, *point = msg.tolist()
+        if kind == _SWITCH:
+            self._apply(tuple(point))
+        return kind, due, tuple(point)
+
+    def _config_of(self, point):
+        return with_knobs(self.base, **self.space.config(point))
+
+    def _apply(self, point) -> None:
+        reconfigure(self.model, self._config_of(point))
+        self.point = point
+        self.switches += 1
+
+    # ------------------------------------------------------------------ the error budget
+    def _feasible(self, point) -> bool:
+        """Rank 0 (the policy's callback): whether ``point``'s codec error on the live tensors is within
+        the budgets; measured on every rank (a CHECK broadcast, then :meth:`_check`), once per
+        quantization per exploration."""
+        cfg = self._config_of(point)
+        key = (self.policy.explorations, cfg.weight_bits, cfg.grad_bits)
+        if key not in self._errors:
+            self._send(_CHECK, 0, point)
+            self._errors[key] = self._check(point)
+        return self._errors[key]
+
+    def _check(self, point) -> bool:
+        cfg = self._config_of(point)
+        weight, grad = relative_errors(self.model, cfg.weight_bits, cfg.grad_bits, cfg.weight_block, cfg.grad_block)
+        self.decision_bytes += 32
+        self.last_errors = {"label": config_label(self.space.config(point)), "weight": weight, "grad": grad}
+        return not weight > self.weight_error and not grad > self.grad_error   # NaN (no gradient yet): not over
+
+    # ------------------------------------------------------------------ checkpoints
+    def _space_doc(self) -> list:
+        return [[k.name, repr(k.values)] for k in self.space.knobs]
+
+    def state_dict(self) -> dict:
+        """The tuner's state, JSON-able and the same on every rank (rank 0's measurements and phase;
+        a collective: every rank calls it). :func:`qcoll.zero.save` (``autotune=``) stores it."""
+        doc = None
+        if self.rank == 0:
+            doc = {"version": 1, "tuner": self.tuner_name, "seed": self.seed, "space": self._space_doc(),
+                   "point": list(self.point), "next": self._next, "steps": self.steps, "switches": self.switches,
+                   "policy": self.policy.state_dict()}
+        return _broadcast_json(doc)
+
+    def load_state_dict(self, doc: dict) -> None:
+        """Restore :meth:`state_dict` (every rank, the same ``doc``, between steps): the configuration
+        it ran is switched to, and rank 0's policy goes on from the saved measurements (a resumed run
+        does not explore from scratch). ``ValueError`` when ``doc`` is not one, or was saved with
+        another tuner or space."""
+        if not isinstance(doc, dict) or doc.get("version") != 1:
+            raise ValueError("not an AutoTune state (version 1)")
+        if doc.get("tuner") != self.tuner_name or doc.get("space") != self._space_doc():
+            raise ValueError(f"the AutoTune state was saved with tuner {doc.get('tuner')!r} and space "
+                             f"{doc.get('space')}; this AutoTune has {self.tuner_name!r} and {self._space_doc()}")
+        point = self.space.check(doc["point"])
+        self._next = check_int(doc["next"], "next", minimum=1)
+        self.steps, self.switches = check_int(doc["steps"], "steps"), check_int(doc["switches"], "switches")
+        if self.rank == 0:
+            self.policy = OnlinePolicy(TUNERS[self.tuner_name](self.space, seed=self.seed), point,
+                                       feasible=self._feasible, **self._settings)
+            self.policy.load_state_dict(doc["policy"])
+        if point != self.point:
+            reconfigure(self.model, self._config_of(point))
+            self.point = point
+        self._last = None
+        self._errors = {}
+
+
+def _broadcast_json(doc):
+    """Rank 0's JSON-able ``doc`` on every rank (UTF-8 bytes: length, then the bytes)."""
+    data = json.dumps(doc).encode() if dist.get_rank() == 0 else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, src=0)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(buf, src=0)
+    return json.loads(bytes(buf.tolist()).decode())
