@@ -21,6 +21,10 @@ JSON (``--json FILE``)::
                "result": <the inner command's JSON>}],
      "summary": [...]}   # train only: the summary table's rows (summary_rows)
 
+A ``--link`` of the form ``100mbit@0,20mbit@150`` changes the rate while ``train`` runs, at its step 150
+(:mod:`qcoll.bench.link_schedule`; each mode's steps count from 0, so each mode sees the same change);
+the run's JSON then lists the changes made (``rate_changes``).
+
 ``cross_node_bytes`` covers the whole command (start-up and warm-up included);
 ``train`` also reports per mode the bytes per timed step (``link_bytes_per_step``), ``generate``
 the bytes of the first forward and per token after it (``link_bytes_first_forward``,
@@ -39,7 +43,7 @@ import sys
 import tempfile
 import time
 
-from . import cli, netns
+from . import cli, link_schedule, netns
 from .ranks import RankFailed, _on_sigterm, _restore_signal, _set_signal
 from .linkmeter import ENV as METER_ENV
 
@@ -65,7 +69,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=cli.positive_int, default=2, help="emulated nodes (default 2)")
     p.add_argument("--ranks-per-node", type=cli.positive_int, default=2, help="ranks in each node (default 2)")
     p.add_argument("--link", nargs="+", default=["100mbit"], metavar="RATE",
-                   help="inter-node link rate(s), each run in turn: e.g. 100mbit 1gbit unlimited (default 100mbit)")
+                   help="inter-node link rate(s), each run in turn: e.g. 100mbit 1gbit unlimited (default 100mbit); "
+                        "a rate that changes mid-run: 100mbit@0,20mbit@150 (20 Mbit/s from the command's step 150 "
+                        "on, in each of its runs; train only)")
     p.add_argument("--delay", default=None, help="one-way delay added on each node's link, e.g. 1ms (needs netem)")
     p.add_argument("--timeout", type=cli.positive_int, default=3600,
                    help="seconds one command may run before it is stopped (default 3600)")
@@ -93,10 +99,12 @@ def _inner_command(parser, args) -> list[str]:
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     inner = _inner_command(parser, args)
     try:
-        rates = [netns.parse_rate(r) for r in args.link]
+        schedules = [link_schedule.parse_schedule(r, netns.parse_rate) for r in args.link]
         delay = netns.parse_delay(args.delay)
     except ValueError as e:
         parser.error(str(e))
+    if any(len(s) > 1 for s in schedules) and (inner[0] != "train" or delay is not None):
+        parser.error("a --link rate that changes mid-run (RATE@STEP,...) works with train and without --delay")
     if args.json is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         parser.error(f"--json {args.json}: folder does not exist")
     try:
@@ -105,12 +113,13 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(e))
     world = args.nodes * args.ranks_per_node
     runs = []
-    for rate in rates:
-        label = netns.format_rate(rate)
+    for schedule in schedules:
+        label = ",".join(netns.format_rate(r) + (f"@{step}" if len(schedule) > 1 else "") for step, r in schedule)
         print(f"== {inner[0]} on {args.nodes} nodes x {args.ranks_per_node} ranks, link {label}"
               f"{', delay ' + netns.format_delay(delay) if delay else ''}", flush=True)
         try:
-            run = run_on_cluster(inner, args.nodes, args.ranks_per_node, rate, delay, args.timeout)
+            run = run_on_cluster(inner, args.nodes, args.ranks_per_node, schedule[0][1], delay, args.timeout,
+                                 schedule=schedule if len(schedule) > 1 else None, label=label)
         except (netns.ClusterError, InnerUsageError) as e:
             print(f"{cli.PROG} cluster: {e}", file=sys.stderr)
             return 2
@@ -152,11 +161,13 @@ def _rank_env(net: netns.Network, rank: int, world: int, per_node: int) -> dict:
 
 
 def run_on_cluster(inner: list[str], nodes: int, per_node: int, rate: int | None, delay: float | None,
-                   timeout: float) -> dict:
+                   timeout: float, schedule=None, label: str | None = None) -> dict:
     """Build the cluster, run ``inner`` on ``nodes * per_node`` ranks, read the counters, tear down.
 
     Returns ``{"rate_bits", "seconds", "cross_node_bytes", "per_node", "result", "table"}``
-    (``table``: rank 0's stdout). Raises :class:`~qcoll.bench.ranks.RankFailed` when a
+    (``table``: rank 0's stdout). ``schedule``: ``[(step, rate), ...]`` from
+    :func:`~qcoll.bench.link_schedule.parse_schedule` (``label`` its text), followed while the command
+    runs; the result then has ``rate_changes`` (:class:`~qcoll.bench.link_schedule.RateFollower`). Raises :class:`~qcoll.bench.ranks.RankFailed` when a
     rank fails (the others are stopped first), :class:`~qcoll.bench.netns.ClusterError`
     when the cluster cannot be built; the namespaces are gone in every case.
     """
@@ -166,8 +177,13 @@ def run_on_cluster(inner: list[str], nodes: int, per_node: int, rate: int | None
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory(prefix="qcoll-cluster-") as tmp:
         result_path = os.path.join(tmp, "result.json")
+        progress = os.path.join(tmp, "progress")
+        follower = None
         try:
             net.create()
+            if schedule is not None:
+                follower = link_schedule.RateFollower(progress, schedule, net.set_rate)
+                follower.start()
             before = net.counters()
             t0 = time.perf_counter()
             for rank in range(world):
@@ -175,8 +191,11 @@ def run_on_cluster(inner: list[str], nodes: int, per_node: int, rate: int | None
                 err = open(os.path.join(tmp, f"rank{rank}.err"), "w")
                 cmd = ["ip", "netns", "exec", net.namespaces[rank // per_node], *PYTHON, "-m", "qcoll.bench",
                        *inner, "--json", result_path]
-                procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=_rank_env(net, rank, world, per_node),
-                                              preexec_fn=_rank_preexec, start_new_session=True))
+                env = _rank_env(net, rank, world, per_node)
+                if schedule is not None:
+                    env.update({link_schedule.PROGRESS_ENV: progress, link_schedule.SCHEDULE_ENV: label})
+                procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env, preexec_fn=_rank_preexec,
+                                              start_new_session=True))
                 out.close()
                 err.close()
             _wait(procs, tmp, timeout)
@@ -186,9 +205,14 @@ def run_on_cluster(inner: list[str], nodes: int, per_node: int, rate: int | None
                 result = json.load(f)
             with open(os.path.join(tmp, "rank0.out")) as f:
                 table = f.read().rstrip()
-            return {"rate_bits": rate, "seconds": seconds, "cross_node_bytes": total, "per_node": per,
-                    "result": result, "table": table}
+            out = {"rate_bits": rate, "seconds": seconds, "cross_node_bytes": total, "per_node": per,
+                   "result": result, "table": table}
+            if follower is not None:
+                out["rate_changes"] = follower.stop()
+            return out
         finally:
+            if follower is not None and follower.is_alive():
+                follower.stop()
             _stop(procs)
             errors = net.destroy()
             _restore_signal(signal.SIGTERM, previous_term)

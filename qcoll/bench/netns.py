@@ -198,6 +198,19 @@ class Network:
         else:
             sh(*tc, "root", "handle", "1:", *self._tbf())
 
+    def set_rate(self, rate_bits: int | None) -> None:
+        """Change the rate of every shaped device now (``None``: no limit), as a rate schedule
+        (:mod:`qcoll.bench.link_schedule`) does mid-run. Not with a delay (netem)."""
+        if self.delay_s is not None:
+            raise ClusterError("a link rate that changes mid-run does not combine with --delay")
+        self.rate_bits = rate_bits
+        devices = [(ns, self.ifname) for ns in self.namespaces] + [(self.hub, f"v{i}") for i in range(self.nodes)]
+        for ns, dev in devices:
+            if rate_bits is None:
+                subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
+            else:
+                sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "handle", "1:", *self._tbf())
+
     # --- teardown ----------------------------------------------------------------------
     def kill_inside(self) -> None:
         """SIGKILL every process still running in one of this cluster's namespaces."""

@@ -61,51 +61,15 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from . import adaptive, cli, fsdp_runs
+from . import adaptive, cli, fsdp_runs, train_auto
 from .collcount import CollectiveCounter
+from .link_schedule import ProgressWriter
 from .linkmeter import LinkMeter
 from .ranks import run_ranks
+from .train_modes import MODES, PEERS, best_peer, is_peer, mode_config  # noqa: F401  (re-exported)
 from .train_report import format_adaptive, format_profile, format_table, memory_kib, plot_losses  # noqa: F401
 
 NAME = "train"
-MODES = {
-    "zero3": dict(weight_bits=None, hpz=False, grad_bits=None),
-    "zeropp": dict(weight_bits=8, hpz=True, grad_bits=4),
-    "zeropp-w4": dict(weight_bits=4, hpz=True, grad_bits=4),
-    "qwz": dict(weight_bits=8, hpz=False, grad_bits=None),
-    "qgz": dict(weight_bits=None, hpz=False, grad_bits=4),
-    # beyond ZeRO++'s quantizer (issue 19): per-hop gradient bits, Hadamard rotation, outlier reserve
-    "zeropp-g84": dict(weight_bits=8, hpz=True, grad_bits=(8, 4)),
-    "zeropp-had": dict(weight_bits=8, hpz=True, grad_bits=4, grad_hadamard=True),
-    "zeropp-out1": dict(weight_bits=8, hpz=True, grad_bits=4, grad_outliers=1),
-    "zeropp-w4-had": dict(weight_bits=4, hpz=True, grad_bits=4, grad_hadamard=True),
-    "zeropp-w4-g84had": dict(weight_bits=4, hpz=True, grad_bits=(8, 4), grad_hadamard=True),
-    "zeropp-w2": dict(weight_bits=2, hpz=True, grad_bits=4),
-    "zeropp-w2-out2": dict(weight_bits=2, hpz=True, grad_bits=4, weight_outliers=2),
-    # bf16 compute (issue 20): the gathered parameters, forward and backward in bf16 (master weights and AdamW
-    # fp32); ZeRO-3's unquantized gathers then move 2-byte elements, qwZ/hpZ quantize and gather bf16
-    "zero3-bf16": dict(weight_bits=None, hpz=False, grad_bits=None, compute_dtype=torch.bfloat16),
-    "zeropp-bf16": dict(weight_bits=8, hpz=True, grad_bits=4, compute_dtype=torch.bfloat16),
-    # small parameters replicated (issue 20). DeepSpeed's default threshold, 1e5 elements, replicates
-    # every matrix of the 0.8M-parameter char transformer (a DDP-like all-reduce); 1e4 keeps the
-    # LayerNorms, biases and the position table whole and shards the matrices
-    "zero3-persist": dict(weight_bits=None, hpz=False, grad_bits=None, persist_threshold=100_000),
-    "zero3-p10k": dict(weight_bits=None, hpz=False, grad_bits=None, persist_threshold=10_000),
-    "zeropp-p10k": dict(weight_bits=8, hpz=True, grad_bits=4, persist_threshold=10_000),
-    # coalesced gradient reductions (issue 20): groups reduced together until 1e5 gradient elements wait (the
-    # final norm with the last block, the embedding with the position table: 5 reductions instead of 7)
-    "zero3-b100k": dict(weight_bits=None, hpz=False, grad_bits=None, reduce_bucket_numel=100_000),
-    "zeropp-b100k": dict(weight_bits=8, hpz=True, grad_bits=4, reduce_bucket_numel=100_000),
-    "zeropp-w4-b100k": dict(weight_bits=4, hpz=True, grad_bits=4, reduce_bucket_numel=100_000),
-    # two units gathered ahead instead of one: on a slow link the next gather is already queued when one ends
-    "zeropp-pf2": dict(weight_bits=8, hpz=True, grad_bits=4, prefetch=2),
-    "zeropp-w4-pf2": dict(weight_bits=4, hpz=True, grad_bits=4, prefetch=2),
-    # the gathers as one all-gather over the world (gloo's ring), as before issue 20
-    "zero3-ring": dict(weight_bits=None, hpz=False, grad_bits=None, hierarchical_gather=False),
-    "zeropp-ring": dict(weight_bits=8, hpz=True, grad_bits=4, hierarchical_gather=False),
-}
-# FSDP2 (fully_shard) as users run it, 1-D and HSDP, fp32 and bf16 (fsdp_runs.py)
-PEERS = fsdp_runs.PEERS
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
@@ -168,6 +132,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="steps in the running mean of --target-loss (default 10)")
     g.add_argument("--stop-at-target", action="store_true",
                    help="end each run once its running loss reaches --target-loss (--steps is then a cap)")
+    train_auto.add_options(p)
     cli.add_common_options(p, iters=1, warmup=2)
     p.set_defaults(func=main)
     return p
@@ -184,6 +149,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--adaptive-batch runs qcoll.zero's modes only (no --peer, no FSDP2 modes)")
     if args.keep_gathered and not args.accumulate:
         parser.error("--keep-gathered needs --accumulate (it keeps the weights across the micro-batches of a step)")
+    train_auto.check(parser, args)
     if args.stop_at_target and args.target_loss is None:
         parser.error("--stop-at-target needs --target-loss")
     if args.target_loss is not None and args.loss_window > args.steps:
@@ -209,6 +175,8 @@ def _steps(args, model, optimizer, rank, world, loss_fn=None):
 
     batches = Batches(stdlib_bytes(), args.batch, args.context, args.seed + 1)
     meter = LinkMeter.from_env() if rank == 0 else None
+    progress = args.link_progress   # a link rate that changes at a step (qcoll-bench cluster --link R@0,R@S)
+    progress.begin_run()
     times, traffic = [], []
     link_start = None
     counter = CollectiveCounter()
@@ -219,6 +187,7 @@ def _steps(args, model, optimizer, rank, world, loss_fn=None):
         nonlocal link_start
         if meter is not None and i == args.warmup:
             link_start = meter.read()   # every rank is past step i-1's loss all-reduce or waits in the barrier
+        progress.step(i)
         dist.barrier()
         stats.reset()
         step_start.append(counter.snapshot())
@@ -273,14 +242,6 @@ def _where_time_goes(phases: list[dict], blocked: list[dict]) -> dict:
     return out
 
 
-def mode_config(args, mode: str) -> dict:
-    """The :class:`~qcoll.zero.ZeroConfig` fields of qcoll mode ``mode`` with the command's overrides."""
-    fields = dict(MODES[mode])
-    if args.prefetch is not None:
-        fields["prefetch"] = args.prefetch
-    return fields
-
-
 def model_units(args, model) -> list:
     """The units of ``--units``: the model's own (:meth:`CharTransformer.units`) or every Linear layer
     with the embedding and the final norm (the LayerNorms of the blocks and the positions go to the root)."""
@@ -310,29 +271,22 @@ def _run_qcoll(args, mode, topo):
     return losses, seconds, intra, inter, link, memory, times, colls, profile
 
 
-def is_peer(mode: str) -> bool:
-    """The configurations ZeRO++ is measured against: FSDP2 (:data:`PEERS`) and qcoll's unquantized ZeRO-3."""
-    return mode in PEERS or mode in ("zero3", "zero3-bf16")
-
-
-def best_peer(runs: list[dict]) -> dict | None:
-    """The fastest (smallest ``step_time_s``) of the runs of :func:`is_peer` modes, or None."""
-    peers = [r for r in runs if is_peer(r["mode"]) and r.get("step_time_s")]
-    return min(peers, key=lambda r: r["step_time_s"]) if peers else None
-
-
 def _rank_main(args) -> None:
     from ..comm import Topology
 
     topo = Topology(args.ranks_per_node)
+    args.link_progress = ProgressWriter(topo.rank)
     tokens = args.batch * args.context
     runs = []
-    for mode in list(args.modes) + list(args.peer):
+    for mode in list(args.modes) + list(args.peer) + [train_auto.PREFIX + t for t in args.auto]:
         if args.adaptive_batch is not None:
             runs.append(_adaptive_run(args, mode, topo))
             continue
+        record = None
         if mode in fsdp_runs.RUNS:
             run = fsdp_runs.run(args, mode, topo, build_model, _steps)
+        elif train_auto.is_auto(mode):
+            run, record = train_auto.run(args, mode, topo, build_model, model_units, _steps)
         else:
             run = _run_qcoll(args, mode, topo)
         losses, seconds, intra, inter, link, memory, times, colls, profile = run
@@ -343,7 +297,11 @@ def _rank_main(args) -> None:
                      "inter_bytes_per_step": inter, "link_bytes_per_step": link, "memory": memory,
                      "samples_to_target": samples, "time_to_target_s": wall, "steps_to_target": steps,
                      "collectives_per_step": colls[0], "inter_collectives_per_step": colls[1],
-                     "collectives_by_op": colls[2], "where_time_goes": profile})
+                     "collectives_by_op": colls[2], "where_time_goes": profile, "step_seconds": times})
+        if record is not None:
+            runs[-1]["auto"] = record
+    if args.auto:
+        train_auto.summarize(runs, args.settle)
     base = next((r for r in runs if r["mode"] == "zero3"), None)
     best = best_peer(runs)
     for r in runs:
@@ -361,6 +319,8 @@ def _rank_main(args) -> None:
             print(format_adaptive(r), flush=True)
     print(format_table(runs), flush=True)
     print(format_profile(runs), flush=True)
+    if args.auto:
+        print(train_auto.format_auto(runs, args.settle), flush=True)
     if args.json:
         cli.write_json(args.json, {"command": NAME, "world": topo.world_size, "ranks_per_node": topo.ranks_per_node,
                                    "args": {k: getattr(args, k) for k in ("modes", "peer", "steps", "batch",
@@ -369,7 +329,9 @@ def _rank_main(args) -> None:
                                                                            "warmup", "adaptive_batch",
                                                                            "max_accumulation", "accumulate", "keep_gathered",
                                                                            "similarity_window",
-                                                                           "target_loss", "loss_window", "stop_at_target")},
+                                                                           "target_loss", "loss_window", "stop_at_target", "auto",
+                                                                           "auto_window", "auto_explore",
+                                                                           "auto_reexplore", "settle")},
                                    "runs": runs})
     if args.plot:
         plot_losses(runs, args.plot)

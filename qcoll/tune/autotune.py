@@ -39,7 +39,7 @@ from .online_policy import OnlinePolicy
 from .space import Space, config_label, online_space
 from .tuners import TUNERS
 
-_CHECK, _SWITCH, _KEEP = 0, 1, 2
+_CHECK, _SWITCH, _KEEP, _FAILED = 0, 1, 2, 3
 
 
 class AutoTune:
@@ -50,18 +50,19 @@ class AutoTune:
     weight bits 4/6/8/None, gradient bits 4/(8,4)/8/None, hpZ, prefetch 0-2, reduce bucket 0/1M,
     hierarchical gathers); the configuration the model was sharded with must be one of its points
     (it is measured first). ``window``, ``explore``, ``reexplore``, ``abort``, ``drift_tolerance``,
-    ``drift_patience``: :class:`~qcoll.tune.OnlinePolicy`. ``weight_error`` / ``grad_error``: the
+    ``drift_patience``, ``confirm``: :class:`~qcoll.tune.OnlinePolicy`. ``weight_error`` / ``grad_error``: the
     budgets of the codec's relative L2 error on the live weights and gradients. ``seed``: the
     tuner's.
 
-    After each :meth:`update`: ``config`` (the ZeroConfig in use), ``label``, ``history`` (per step
+    One AutoTune per model: it owns the wire format (``ValueError`` for a second one). After each
+    :meth:`update`: ``config`` (the ZeroConfig in use), ``label``, ``history`` (per step
     after the first: ``step``, ``label``, ``seconds`` (this rank's), ``phase``), ``switches``,
     ``decision_bytes`` (this rank's part of the decisions' broadcasts and error all-reduces).
     """
 
     def __init__(self, model, tuner: str = "rrl", space: Space | None = None, window: int = 4, explore: int = 12,
                  reexplore: int | None = 8, abort: float = 1.5, drift_tolerance: float = 0.2, drift_patience: int = 2,
-                 weight_error: float = 0.15, grad_error: float = 0.25, seed: int = 0):
+                 confirm: int = 3, weight_error: float = 0.15, grad_error: float = 0.25, seed: int = 0):
         state = state_of(model)
         if tuner not in ("rrl", "random", "tpe"):
             raise ValueError(f"tuner must be 'rrl', 'random' or 'tpe', got {tuner!r}")
@@ -85,15 +86,16 @@ class AutoTune:
                 raise ValueError("AutoTune switches to quantized weights, which need a block-aligned layout: "
                                  "shard the model with quantized weights (e.g. the default ZeroConfig(); AutoTune "
                                  "may still pick weight_bits=None)")
+        if getattr(state, "autotune", None) is not None:
+            raise ValueError("this model has an AutoTune already; one tuner owns a model's wire format")
         self.rank = dist.get_rank()
-        self.policy = None
-        if self.rank == 0:
-            self.policy = OnlinePolicy(TUNERS[tuner](space, seed=seed), self.point, window=window, explore=explore,
-                                       reexplore=reexplore, abort=abort, drift_tolerance=drift_tolerance,
-                                       drift_patience=drift_patience, feasible=self._feasible)
         self._settings = dict(window=window, explore=explore, reexplore=reexplore, abort=abort,
-                              drift_tolerance=drift_tolerance, drift_patience=drift_patience)
-        self._next = window         # steps until the next decision (the same on every rank)
+                              drift_tolerance=drift_tolerance, drift_patience=drift_patience, confirm=confirm)
+        # built on every rank, so that every rank refuses the same bad arguments; only rank 0 keeps it
+        policy = OnlinePolicy(TUNERS[tuner](space, seed=seed), self.point, feasible=self._feasible, **self._settings)
+        self.policy = policy if self.rank == 0 else None
+        state.autotune = self
+        self._next = policy.due()   # steps until the next decision (the same on every rank)
         self._last = None           # perf_counter at the previous update
         self._errors = {}           # rank 0: (weight_bits, grad_bits) -> feasible, per exploration
         self.steps = 0
@@ -147,11 +149,18 @@ class AutoTune:
 
     def _decide(self) -> None:
         if self.policy is not None:
-            point = self.policy.decide()   # its feasibility checks are collectives (_feasible)
+            try:
+                point = self.policy.decide()   # its feasibility checks are collectives (_feasible)
+            except BaseException:              # the other ranks wait for a decision: tell them, not hang them
+                self._send(_FAILED, 1, self.point)
+                raise
             _, due, _ = self._send(_SWITCH if point is not None else _KEEP, self.policy.due(), self.policy.current)
         else:
             while True:
                 kind, due, point = self._send(None, 0, self.point)
+                if kind == _FAILED:
+                    raise RuntimeError("qcoll.tune.AutoTune: rank 0 failed while deciding the next configuration "
+                                       "(its error says why)")
                 if kind != _CHECK:
                     break
                 self._check(point)

@@ -14,11 +14,14 @@ Two phases:
   remaining steps would be paid in full. Configurations that ``feasible(point)`` rejects (their
   quantization error is over budget) never run: the tuner is told they are infeasible. After
   ``explore`` measured configurations the policy settles on the best.
-- **exploit**: the best configuration runs; each window's median is compared with the cost it
-  settled on (a moving reference). ``drift_patience`` windows in a row off by more than
-  ``drift_tolerance`` (slower or faster: the link changed) restart the tuner
-  (:meth:`Tuner.restart`, told the window just measured) and explore again, for
-  ``reexplore`` configurations.
+- **exploit**: the best configuration runs, and the measured ones race: one window is noisy, so the
+  best of a dozen single windows is usually one that was lucky (the winner's curse). Every window
+  adds to its configuration's mean; a configuration whose optimistic estimate (its mean lowered by
+  the windows' noise over the root of its count) beats the running one's mean by 2% runs next, up
+  to ``confirm`` windows in all, and the one with the best mean runs from then on. The same windows
+  watch for drift: ``drift_patience`` windows in a row more than ``drift_tolerance`` off the running
+  configuration's mean (slower or faster: the link changed) restart the tuner (:meth:`Tuner.restart`,
+  told the window just measured) and explore again, for ``reexplore`` configurations.
 """
 from __future__ import annotations
 
@@ -28,6 +31,10 @@ import statistics
 
 from ..checks import check_int
 from .tuners import Trial, Tuner
+
+#: the windows' relative noise assumed until two windows of one configuration measure it
+DEFAULT_NOISE = 0.05
+HYSTERESIS = 0.02
 
 
 class Phase(enum.Enum):
@@ -40,31 +47,34 @@ class OnlinePolicy:
 
     ``tuner``: a :class:`~qcoll.tune.Tuner` over the space; ``start``: the configuration running
     now (a point of the space), measured first. ``feasible``: ``point -> bool``, called before a
-    configuration is run (default: every one is).
+    configuration is run (default: every one is). ``confirm``: windows a challenger may run while
+    exploiting (racing; 1: none).
     """
 
     def __init__(self, tuner: Tuner, start, window: int = 4, explore: int = 12, reexplore: int | None = None,
-                 abort: float = 1.5, drift_tolerance: float = 0.2, drift_patience: int = 2, feasible=None):
+                 abort: float = 1.5, drift_tolerance: float = 0.2, drift_patience: int = 2, confirm: int = 3,
+                 feasible=None):
         if not isinstance(tuner, Tuner):
             raise TypeError(f"tuner must be a qcoll.tune.Tuner, got {type(tuner).__name__}")
         check_int(window, "window", minimum=1)
         check_int(explore, "explore", minimum=1)
         reexplore = explore if reexplore is None else check_int(reexplore, "reexplore", minimum=1)
         check_int(drift_patience, "drift_patience", minimum=1)
+        check_int(confirm, "confirm", minimum=1)
         for name, value, low in (("abort", abort, 1.0), ("drift_tolerance", drift_tolerance, 0.0)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > low:
                 raise ValueError(f"{name} must be a number > {low}, got {value!r}")
         self.tuner, self.space = tuner, tuner.space
         self.window, self.explore, self.reexplore, self.abort = window, explore, reexplore, float(abort)
-        self.drift_tolerance, self.drift_patience = float(drift_tolerance), drift_patience
+        self.drift_tolerance, self.drift_patience, self.confirm = float(drift_tolerance), drift_patience, confirm
         self.feasible = feasible or (lambda point: True)
         self.current = self.space.check(start)
         self.phase = Phase.EXPLORE
         self.times: list[float] = []       # the current window's step seconds
         self.first = len(tuner.trials)     # this exploration's first trial in tuner.trials
         self.budget = explore              # configurations this exploration measures
-        self.reference: float | None = None  # exploit: the settled configuration's cost
-        self.strikes = 0                   # exploit: windows in a row off the reference
+        self.samples: dict[tuple, list[float]] = {}   # this exploration's window costs of feasible configurations
+        self.strikes = 0                   # exploit: windows in a row off the running configuration's mean
         self.explorations = 1
         self.aborted = 0
 
@@ -72,7 +82,7 @@ class OnlinePolicy:
     def due(self) -> int:
         """Steps (>= 1) until the next :meth:`decide`: 1 while a configuration's first step may end
         its window (exploring, with a best cost to compare it with), else the rest of the window."""
-        if self.phase is Phase.EXPLORE and not self.times and self._best() is not None:
+        if self.phase is Phase.EXPLORE and not self.times and self.samples:
             return 1
         return max(1, self.window - len(self.times))
 
@@ -89,32 +99,48 @@ class OnlinePolicy:
             return self._decide_explore()
         return self._decide_exploit()
 
-    # ------------------------------------------------------------------ explore
-    def _best(self) -> Trial | None:
-        ok = [t for t in self.tuner.trials[self.first:] if t.feasible]
-        return min(ok, key=lambda t: t.cost) if ok else None
+    # ------------------------------------------------------------------ estimates
+    def mean(self, point) -> float:
+        """The mean of ``point``'s window costs in this exploration (inf: none)."""
+        got = self.samples.get(point)
+        return statistics.fmean(got) if got else math.inf
 
+    def best(self):
+        """The configuration with the lowest mean window cost in this exploration (None: none yet)."""
+        return min(self.samples, key=self.mean) if self.samples else None
+
+    def noise(self) -> float:
+        """The windows' relative standard deviation, pooled over configurations with two or more
+        (``DEFAULT_NOISE`` until there are some), kept within [0.01, 0.3]."""
+        devs = [statistics.stdev(v) / statistics.fmean(v) for v in self.samples.values() if len(v) >= 2]
+        return min(0.3, max(0.01, statistics.fmean(devs))) if devs else DEFAULT_NOISE
+
+    # ------------------------------------------------------------------ explore
     def _decide_explore(self):
-        best = self._best()
-        early = len(self.times) == 1 and best is not None and self.times[0] > self.abort * best.cost
+        best = self.best()
+        early = len(self.times) == 1 and best is not None and self.times[0] > self.abort * self.mean(best)
         if len(self.times) < self.window and not early:
             return None
         self.aborted += early and len(self.times) < self.window
-        # the configuration the run started with (or kept across a restart) ran unchecked: checked now
-        checked = any(t.point == self.current for t in self.tuner.trials[self.first:])
-        self.tuner.tell(self.current, statistics.median(self.times), checked or self.feasible(self.current))
-        self.times = []
+        cost, self.times = statistics.median(self.times), []
+        if self.current in self.samples:     # a configuration met again (kept across a restart)
+            self.samples[self.current].append(cost)
+        else:   # the configuration the run started with ran unchecked: checked now
+            feasible = any(t.point == self.current for t in self.tuner.trials[self.first:]) or self.feasible(
+                self.current)
+            self.tuner.tell(self.current, cost, feasible)
+            if feasible:
+                self.samples[self.current] = [cost]
         if len(self.tuner.trials) - self.first < self.budget:
             nxt = self._ask()
             if nxt is not None:
                 return self._switch(nxt)
-        best = self._best()
+        best = self.best()
         if best is None:  # nothing feasible was measured: keep exploring what is left
             nxt = self._ask()
             return self._switch(nxt) if nxt is not None else None
-        self.phase, self.strikes = Phase.EXPLOIT, 0
-        self.reference = best.cost
-        return self._switch(best.point)
+        self.phase = Phase.EXPLOIT
+        return self._switch(best)
 
     def _ask(self):
         """The tuner's next feasible configuration not measured in this exploration (None: it has
@@ -135,6 +161,7 @@ class OnlinePolicy:
         return None
 
     def _switch(self, point):
+        self.strikes = 0
         if point == self.current:
             return None
         self.current = point
@@ -142,33 +169,52 @@ class OnlinePolicy:
 
     # ------------------------------------------------------------------ exploit
     def _decide_exploit(self):
-        cost = statistics.median(self.times)
-        self.times = []
-        off = abs(cost / self.reference - 1) > self.drift_tolerance if self.reference > 0 else cost > 0
+        cost, self.times = statistics.median(self.times), []
+        before = self.samples.setdefault(self.current, [])
+        reference = statistics.fmean(before) if len(before) >= 2 else None
+        before.append(cost)
+        off = reference is not None and abs(cost / reference - 1) > self.drift_tolerance
         self.strikes = self.strikes + 1 if off else 0
-        if not off:
-            self.reference = 0.8 * self.reference + 0.2 * cost
+        if self.strikes >= self.drift_patience:
+            return self._restart(cost)
+        if off:
             return None
-        if self.strikes < self.drift_patience:
-            return None
-        # the step time moved and stayed: the link (or the load) changed; what was measured before is stale
+        return self._switch(self._challenger())
+
+    def _challenger(self):
+        """What runs next: the configuration whose optimistic estimate beats the running one's mean
+        by ``HYSTERESIS`` and that has run fewer than ``confirm`` windows, else the best mean."""
+        noise, running = self.noise(), self.mean(self.current)
+        optimistic = {p: self.mean(p) * (1 - noise / math.sqrt(len(v))) for p, v in self.samples.items()
+                      if p != self.current and len(v) < self.confirm}
+        if optimistic:
+            p = min(optimistic, key=optimistic.get)
+            if optimistic[p] < running * (1 - HYSTERESIS):
+                return p
+        best = self.best()
+        return best if self.mean(best) < running * (1 - HYSTERESIS) else self.current
+
+    def _restart(self, cost: float):
+        """The step time moved and stayed: the link (or the load) changed; what was measured is stale."""
         self.tuner.restart([Trial(self.current, cost, True)])
-        self.first, self.budget = 0, self.reexplore
-        self.phase, self.strikes, self.reference = Phase.EXPLORE, 0, None
+        self.first, self.budget, self.samples = 0, self.reexplore, {self.current: [cost]}
+        self.phase, self.strikes = Phase.EXPLORE, 0
         self.explorations += 1
         if self.budget > 1:
             nxt = self._ask()
             if nxt is not None:
                 return self._switch(nxt)
-        self.phase, self.reference = Phase.EXPLOIT, cost
+        self.phase = Phase.EXPLOIT
         return None
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """JSON-able: the phase, the window so far, and every measurement the tuner holds."""
+        """JSON-able: the phase, the window so far, every measurement the tuner holds and the windows'
+        costs per configuration."""
         return {"current": list(self.current), "phase": self.phase.value, "times": list(self.times),
-                "first": self.first, "budget": self.budget, "reference": self.reference, "strikes": self.strikes,
+                "first": self.first, "budget": self.budget, "strikes": self.strikes,
                 "explorations": self.explorations, "aborted": self.aborted, "restarts": self.tuner.restarts,
+                "samples": [[list(p), list(v)] for p, v in self.samples.items()],
                 "trials": [[list(t.point), t.cost if math.isfinite(t.cost) else None, t.feasible]
                            for t in self.tuner.trials]}
 
@@ -181,13 +227,16 @@ class OnlinePolicy:
         try:
             trials = [Trial(self.space.check(p), math.inf if c is None else float(c), bool(f))
                       for p, c, f in state["trials"]]
+            samples = {self.space.check(p): [float(c) for c in v] for p, v in state["samples"]}
             current = self.space.check(state["current"])
             phase = Phase(state["phase"])
             restarts = check_int(state["restarts"], "restarts", minimum=0)
             first = check_int(state["first"], "first", minimum=0)
             budget = check_int(state["budget"], "budget", minimum=1)
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"not an OnlinePolicy state: {e!r}") from e
+            times = [float(t) for t in state["times"]]
+            counts = [check_int(state[k], k, minimum=0) for k in ("strikes", "explorations", "aborted")]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not an OnlinePolicy state: {e}") from e
         self.tuner.restarts = restarts - 1 if restarts else 0
         if restarts:
             self.tuner.restart(trials)
@@ -195,7 +244,5 @@ class OnlinePolicy:
             for t in trials:
                 self.tuner.tell(t.point, t.cost, t.feasible)
         self.current, self.phase, self.first, self.budget = current, phase, first, budget
-        self.times = [float(t) for t in state["times"]]
-        self.reference = None if state["reference"] is None else float(state["reference"])
-        self.strikes, self.explorations = int(state["strikes"]), int(state["explorations"])
-        self.aborted = int(state["aborted"])
+        self.samples, self.times = samples, times
+        self.strikes, self.explorations, self.aborted = counts

@@ -1,0 +1,159 @@
+"""``qcoll-bench train --auto rrl random tpe``: the online configuration search in the training loop.
+
+Each tuner's run trains the same model on the same batches as the static modes of the command,
+starting from ZeRO++'s defaults (``zeropp``, with ``--prefetch``), while :class:`qcoll.tune.AutoTune`
+switches the wire format between steps (its ``update()`` is the optimizer's step post-hook). The
+run is named ``auto-<tuner>``.
+
+Reported for every run of the command, static or auto (so that they compare on the same steps):
+``mean_after_s``, the mean step time after the first ``--settle`` steps, and ``wall_s``, the sum
+of all step times (the slowest rank's), with the ratios to the best static run (the fastest
+``mean_after_s`` among the static modes and peers). For an auto run also, per step, the
+configuration it ran (``labels``), the tuner's phase and the decisions' bytes. Inside
+``qcoll-bench cluster`` with a rate that changes mid-run (``--link 100mbit@0,20mbit@150``), per
+change: the best static run's mean step time on the new rate (its steps from the change + 10 to
+the next change), and how many steps after the change the auto run's steps are within 5% of it
+(``steps_to_within_5pct``: the first step from which the median of 4 consecutive steps is).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from . import cli
+from .link_schedule import SCHEDULE_ENV, change_steps
+from .train_modes import mode_config
+
+TUNERS = ("rrl", "random", "tpe")
+PREFIX = "auto-"
+
+
+def add_options(p) -> None:
+    g = p.add_argument_group("online configuration search (qcoll.tune.AutoTune)")
+    g.add_argument("--auto", nargs="*", default=[], choices=TUNERS, metavar="TUNER",
+                   help="also train with AutoTune switching the wire format between steps, one run per tuner "
+                        "(rrl, random, tpe), starting from zeropp")
+    g.add_argument("--auto-window", type=cli.positive_int, default=4,
+                   help="steps per measured configuration (default 4; see bench/RESULTS.md for why)")
+    g.add_argument("--auto-explore", type=cli.positive_int, default=12,
+                   help="configurations measured before settling (default 12)")
+    g.add_argument("--auto-reexplore", type=cli.positive_int, default=8,
+                   help="configurations measured after a drift restart (default 8)")
+    g.add_argument("--settle", type=cli.nonnegative_int, default=60,
+                   help="every run's mean_after_s leaves out its first SETTLE steps (default 60)")
+
+
+def check(parser, args) -> None:
+    if args.settle >= args.steps and (args.auto or args.settle != 60):
+        parser.error(f"--settle {args.settle} must be smaller than --steps {args.steps}")
+    if args.auto and args.adaptive_batch is not None:
+        parser.error("--auto does not combine with --adaptive-batch")
+
+
+def is_auto(mode: str) -> bool:
+    return mode.startswith(PREFIX)
+
+
+def run(args, mode: str, topo, build_model, model_units, steps_fn):
+    """Train ``args.steps`` steps with AutoTune (``mode``: ``auto-<tuner>``); ``steps_fn`` is train's
+    ``_steps``. Returns train's run tuple and the auto record."""
+    from .. import zero
+    from ..tune import AutoTune
+
+    model = build_model(args)
+    m = zero.shard(model, topo, zero.ZeroConfig(**mode_config(args, "zeropp")), units=model_units(args, model))
+    opt = zero.Optimizer(m, torch.optim.AdamW, lr=args.lr, weight_decay=0.0)
+    auto = AutoTune(m, tuner=mode[len(PREFIX):], window=args.auto_window, explore=args.auto_explore,
+                    reexplore=args.auto_reexplore, seed=args.seed)
+    labels, phases, memory = [], [], {}
+
+    def forward(m, x, y):
+        labels.append(auto.label)
+        phases.append(auto.phase)
+        loss = m(x, y)
+        memory.update(secondary_peak=zero.memory_report(m)["secondary"])
+        return loss
+
+    def after_step(*_):   # before zero_grad: the gradients count in the memory and in the error budget
+        memory.update(zero.memory_report(m, opt))
+        auto.update()
+
+    opt.register_step_post_hook(after_step)
+    losses, seconds, (intra, inter), link, times, colls, profile = steps_fn(args, m, opt, topo.rank, topo.world_size,
+                                                                           forward)
+    record = {"labels": labels, "phases": phases, "switches": auto.switches, "decision_bytes": auto.decision_bytes,
+              "final": auto.label, "explorations": auto.policy.explorations if auto.policy else None}
+    return (losses, seconds, intra, inter, link, memory, times, colls, profile), record
+
+
+def _slowest(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def summarize(runs: list[dict], settle: int) -> None:
+    """Add ``mean_after_s``, ``wall_s`` and the ratios to the best static run, and per rate change
+    ``changes`` (see the module docstring). Every rank calls it (an all-reduce per run)."""
+    for r in runs:
+        r["step_seconds"] = _slowest(r["step_seconds"])
+        r["mean_after_s"] = statistics.fmean(r["step_seconds"][settle:])
+        r["wall_s"] = sum(r["step_seconds"])
+    static = [r for r in runs if not is_auto(r["mode"])]
+    if not static:
+        return
+    best = min(static, key=lambda r: r["mean_after_s"])
+    best_wall = min(static, key=lambda r: r["wall_s"])
+    changes = change_steps(os.environ.get(SCHEDULE_ENV))
+    for r in runs:
+        r["best_static"] = best["mode"]
+        r["mean_after_vs_best_static"] = r["mean_after_s"] / best["mean_after_s"]
+        r["wall_vs_best_static"] = r["wall_s"] / best_wall["wall_s"]
+        if changes:
+            r["changes"] = [_after_change(r, static, c, (changes + [len(r["step_seconds"])])[k + 1])
+                            for k, c in enumerate(changes)]
+
+
+def _after_change(run: dict, static: list[dict], at: int, end: int) -> dict:
+    """The best static mean on the new rate (steps ``at + 10 .. end``) and the steps until ``run``'s
+    rolling median of 4 is within 5% of it."""
+    means = {r["mode"]: statistics.fmean(r["step_seconds"][at + 10:end]) for r in static if end > at + 10}
+    if not means:
+        return {"step": at, "best_static": None}
+    mode = min(means, key=means.get)
+    times = run["step_seconds"]
+    within = next((s - at for s in range(at, end - 3) if statistics.median(times[s:s + 4]) <= 1.05 * means[mode]),
+                  None)
+    return {"step": at, "best_static": mode, "best_static_s": means[mode], "steps_to_within_5pct": within,
+            "mean_s": statistics.fmean(times[at + 10:end])}
+
+
+def format_auto(runs: list[dict], settle: int) -> str:
+    """The comparison table and, per auto run, the configurations it ran (segments of equal ones)."""
+    if not any("mean_after_s" in r for r in runs):
+        return ""
+    lines = ["", f"online search: mean step after step {settle} and the whole run's wall time, against the best "
+                 f"static run ({runs[0].get('best_static')})",
+             f"{'mode':>16} {'mean_after(ms)':>15} {'x best':>7} {'wall(s)':>8} {'x best':>7}  changes"]
+    for r in runs:
+        ch = "; ".join(f"@{c['step']}: {c.get('steps_to_within_5pct')} steps to 5% of {c.get('best_static')}"
+                       for c in r.get("changes", []))
+        lines.append(f"{r['mode']:>16} {r['mean_after_s'] * 1e3:>15.1f} {r.get('mean_after_vs_best_static', 0):>7.3f} "
+                     f"{r['wall_s']:>8.1f} {r.get('wall_vs_best_static', 0):>7.3f}  {ch}")
+    for r in runs:
+        if "auto" not in r:
+            continue
+        segments, start = [], 0
+        labels = r["auto"]["labels"]
+        for i in range(1, len(labels) + 1):
+            if i == len(labels) or labels[i] != labels[start]:
+                ms = statistics.median(r["step_seconds"][start:i]) * 1e3
+                segments.append(f"  steps {start + 1}-{i}: {labels[start]} ({ms:.0f} ms)")
+                start = i
+        lines.append(f"{r['mode']}: {r['auto']['switches']} switches, {r['auto']['decision_bytes']} decision bytes "
+                     f"(rank 0), settled on {r['auto']['final']}")
+        lines += segments
+    return "\n".join(lines)
