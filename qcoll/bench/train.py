@@ -251,21 +251,27 @@ def model_units(args, model) -> list:
     return [model.embed, *linears, model.ln_f]
 
 
-def _run_qcoll(args, mode, topo):
+def _run_qcoll(args, mode, topo, attach=None):
+    """Train qcoll mode ``mode``; ``attach(model, optimizer)`` (optional) runs once the model is sharded and
+    its optimizer built, after the memory hook is registered, and may return a callable run before each
+    forward (``train --auto`` attaches its AutoTune)."""
     from .. import zero
 
     model = build_model(args)
     m = zero.shard(model, topo, zero.ZeroConfig(**mode_config(args, mode)), units=model_units(args, model))
     opt = zero.Optimizer(m, torch.optim.AdamW, lr=args.lr, weight_decay=0.0)
     memory = {}
+    # after each step, before zero_grad (the gradients count)
+    opt.register_step_post_hook(lambda *_: memory.update(zero.memory_report(m, opt)))
+    before_forward = attach(m, opt) if attach is not None else None
 
     def forward(m, x, y):
+        if before_forward is not None:
+            before_forward()
         loss = m(x, y)
         memory.update(secondary_peak=zero.memory_report(m)["secondary"])
         return loss
 
-    # after each step, before zero_grad (the gradients count)
-    opt.register_step_post_hook(lambda *_: memory.update(zero.memory_report(m, opt)))
     losses, seconds, (intra, inter), link, times, colls, profile = _steps(args, m, opt, topo.rank, topo.world_size,
                                                                           forward)
     return losses, seconds, intra, inter, link, memory, times, colls, profile
@@ -286,7 +292,7 @@ def _rank_main(args) -> None:
         if mode in fsdp_runs.RUNS:
             run = fsdp_runs.run(args, mode, topo, build_model, _steps)
         elif train_auto.is_auto(mode):
-            run, record = train_auto.run(args, mode, topo, build_model, model_units, _steps)
+            run, record = train_auto.run(args, mode, topo, _run_qcoll)
         else:
             run = _run_qcoll(args, mode, topo)
         losses, seconds, intra, inter, link, memory, times, colls, profile = run

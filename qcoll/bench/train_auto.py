@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 from . import cli
 from .link_schedule import SCHEDULE_ENV, change_steps
-from .train_modes import mode_config
 
 TUNERS = ("rrl", "random", "tpe")
 PREFIX = "auto-"
@@ -57,36 +56,26 @@ def is_auto(mode: str) -> bool:
     return mode.startswith(PREFIX)
 
 
-def run(args, mode: str, topo, build_model, model_units, steps_fn):
-    """Train ``args.steps`` steps with AutoTune (``mode``: ``auto-<tuner>``); ``steps_fn`` is train's
-    ``_steps``. Returns train's run tuple and the auto record."""
-    from .. import zero
+def run(args, mode: str, topo, run_qcoll):
+    """Train ``args.steps`` steps with AutoTune (``mode``: ``auto-<tuner>``) from ``zeropp``; ``run_qcoll`` is
+    train's ``_run_qcoll``. Returns train's run tuple and the auto record."""
     from ..tune import AutoTune
 
-    model = build_model(args)
-    m = zero.shard(model, topo, zero.ZeroConfig(**mode_config(args, "zeropp")), units=model_units(args, model))
-    opt = zero.Optimizer(m, torch.optim.AdamW, lr=args.lr, weight_decay=0.0)
-    auto = AutoTune(m, tuner=mode[len(PREFIX):], window=args.auto_window, explore=args.auto_explore,
-                    reexplore=args.auto_reexplore, seed=args.seed)
-    labels, phases, memory = [], [], {}
+    labels, phases, tuners = [], [], []
 
-    def forward(m, x, y):
-        labels.append(auto.label)
-        phases.append(auto.phase)
-        loss = m(x, y)
-        memory.update(secondary_peak=zero.memory_report(m)["secondary"])
-        return loss
+    def attach(m, opt):
+        auto = AutoTune(m, tuner=mode[len(PREFIX):], window=args.auto_window, explore=args.auto_explore,
+                        reexplore=args.auto_reexplore, seed=args.seed)
+        tuners.append(auto)
+        # after train's memory hook: both before zero_grad (the gradients count in the error budget)
+        opt.register_step_post_hook(lambda *_: auto.update())
+        return lambda: (labels.append(auto.label), phases.append(auto.phase))
 
-    def after_step(*_):   # before zero_grad: the gradients count in the memory and in the error budget
-        memory.update(zero.memory_report(m, opt))
-        auto.update()
-
-    opt.register_step_post_hook(after_step)
-    losses, seconds, (intra, inter), link, times, colls, profile = steps_fn(args, m, opt, topo.rank, topo.world_size,
-                                                                           forward)
+    result = run_qcoll(args, "zeropp", topo, attach)
+    (auto,) = tuners
     record = {"labels": labels, "phases": phases, "switches": auto.switches, "decision_bytes": auto.decision_bytes,
               "final": auto.label, "explorations": auto.policy.explorations if auto.policy else None}
-    return (losses, seconds, intra, inter, link, memory, times, colls, profile), record
+    return result, record
 
 
 def _slowest(values: list[float]) -> list[float]:

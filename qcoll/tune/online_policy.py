@@ -125,9 +125,8 @@ class OnlinePolicy:
         cost, self.times = statistics.median(self.times), []
         if self.current in self.samples:     # a configuration met again (kept across a restart)
             self.samples[self.current].append(cost)
-        else:   # the configuration the run started with ran unchecked: checked now
-            feasible = any(t.point == self.current for t in self.tuner.trials[self.first:]) or self.feasible(
-                self.current)
+        else:   # its first window: told the tuner (checked: the start ran unchecked; AutoTune caches the answer)
+            feasible = self.feasible(self.current)
             self.tuner.tell(self.current, cost, feasible)
             if feasible:
                 self.samples[self.current] = [cost]
