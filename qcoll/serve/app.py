@@ -1,0 +1,213 @@
+"""The HTTP API (a Starlette ASGI app, served by uvicorn): validation, the batcher, the scheduler.
+
+Endpoints (JSON in and out):
+
+- ``POST /v1/logits`` ``{"prompt": [token ids]}`` -> ``{"logits": [vocab_size floats]}``: the
+  next-token logits (float32 values, exact through JSON).
+- ``POST /v1/generate`` ``{"prompt": [token ids], "max_new_tokens": n}`` -> ``{"tokens": [...]}``:
+  greedy continuation (``n`` from 1 to ``MAX_NEW_TOKENS``, default 16).
+- ``GET /health`` -> ``{"status": "ok"}``; ``GET /metrics``: request counts, latency percentiles
+  (p50/p95/p99 over the last ``RECENT`` requests), the SLO and its violations, the running
+  configuration and the scheduler's state.
+- ``PUT /admin/config`` ``{"max_batch_size", "batch_wait_timeout_s", "workers",
+  "intra_op_threads"}`` (any of them): set the batching knobs of a server without a tuner (409
+  while a tuner sets them), as Ray Serve's ``set_max_batch_size`` does.
+
+Bad requests get 400 (not JSON, not an object) or 422 (a field missing, of the wrong type or out
+of range, or unknown), with a message naming the field; a full queue gets 503 with
+``Retry-After``. The server keeps serving after any of them.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import time
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .batcher import Batcher, BatchConfig, Overloaded
+from .runner import Runner
+from .scheduler import SloScheduler
+
+MAX_NEW_TOKENS = 64
+RECENT = 10_000
+MAX_BODY = 1 << 20
+
+
+class BadRequest(ValueError):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def parse_request(body: bytes, runner: Runner, generate: bool) -> tuple:
+    """The batcher's payload ``(kind, prompt, max_new_tokens)`` of a request body, or BadRequest."""
+    if len(body) > MAX_BODY:
+        raise BadRequest(413, f"the body is {len(body)} bytes, over the limit of {MAX_BODY}")
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(400, f"the body is not JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise BadRequest(400, f"the body must be a JSON object, got {type(doc).__name__}")
+    allowed = {"prompt", "max_new_tokens"} if generate else {"prompt"}
+    unknown = sorted(set(doc) - allowed)
+    if unknown:
+        raise BadRequest(422, f"unknown field(s) {unknown}; this endpoint takes {sorted(allowed)}")
+    if "prompt" not in doc:
+        raise BadRequest(422, "missing field 'prompt' (a list of token ids)")
+    prompt = doc["prompt"]
+    if not isinstance(prompt, list):
+        raise BadRequest(422, f"'prompt' must be a list of token ids, got {type(prompt).__name__}")
+    if not prompt:
+        raise BadRequest(422, "'prompt' is empty: give at least one token id")
+    for i, t in enumerate(prompt):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise BadRequest(422, f"'prompt'[{i}] must be an integer token id, got {t!r}")
+        if not 0 <= t < runner.vocab_size:
+            raise BadRequest(422, f"'prompt'[{i}] = {t} is not a token id of this model (0 to {runner.vocab_size - 1})")
+    n = 0
+    if generate:
+        n = doc.get("max_new_tokens", 16)
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_NEW_TOKENS:
+            raise BadRequest(422, f"'max_new_tokens' must be an integer from 1 to {MAX_NEW_TOKENS}, got {n!r}")
+    if len(prompt) + n > runner.max_positions:
+        raise BadRequest(422, f"'prompt' has {len(prompt)} tokens" + (f" and max_new_tokens is {n}" if n else "") +
+                         f": the model takes at most {runner.max_positions} positions")
+    return ("generate" if generate else "logits", prompt, n)
+
+
+def run_batch(runner: Runner, payloads: list[tuple]) -> list:
+    """A batch of mixed payloads: the logits requests as one call, the generate requests as another."""
+    out: list = [None] * len(payloads)
+    for kind in ("logits", "generate"):
+        idx = [i for i, p in enumerate(payloads) if p[0] == kind]
+        if not idx:
+            continue
+        if kind == "logits":
+            got = runner.logits([payloads[i][1] for i in idx])
+        else:
+            got = runner.generate([payloads[i][1] for i in idx], [payloads[i][2] for i in idx])
+        for i, r in zip(idx, got):
+            out[i] = r
+    return out
+
+
+class Server:
+    """The state behind the app: runner, batcher, scheduler (None: static configuration), statistics."""
+
+    def __init__(self, runner: Runner, config: BatchConfig | None = None, scheduler: SloScheduler | None = None,
+                 max_queue: int = 256, slo_s: float | None = None):
+        self.runner, self.scheduler = runner, scheduler
+        config = scheduler.config if scheduler is not None else (config or BatchConfig())
+        self.slo_s = scheduler.slo_s if scheduler is not None else slo_s
+        self.batcher = Batcher(lambda p: run_batch(runner, p), config, max_queue=max_queue,
+                               set_threads=runner.set_threads)
+        self.latencies: collections.deque[float] = collections.deque(maxlen=RECENT)
+        self.counts = collections.Counter()
+
+    async def handle(self, request: Request, generate: bool) -> Response:
+        start = time.monotonic()
+        try:
+            payload = parse_request(await request.body(), self.runner, generate)
+        except BadRequest as e:
+            self.counts[f"http_{e.status}"] += 1
+            return JSONResponse({"error": str(e)}, status_code=e.status)
+        epoch = self.scheduler.arrived() if self.scheduler is not None else 0
+        try:
+            future = self.batcher.submit(payload)
+        except Overloaded as e:
+            self.counts["http_503"] += 1
+            self._tell(self.scheduler.shed(epoch) if self.scheduler is not None else None)
+            return JSONResponse({"error": f"overloaded: {e}; retry later"}, status_code=503,
+                                headers={"Retry-After": "1"})
+        try:
+            result = await future
+        except Overloaded as e:
+            self.counts["http_503"] += 1
+            return JSONResponse({"error": str(e)}, status_code=503, headers={"Retry-After": "1"})
+        except Exception as e:   # the model failed on this batch: the server goes on
+            self.counts["http_500"] += 1
+            return JSONResponse({"error": f"the model failed: {type(e).__name__}: {e}"}, status_code=500)
+        latency = time.monotonic() - start
+        self.latencies.append(latency)
+        self.counts["ok"] += 1
+        if self.slo_s is not None and latency > self.slo_s:
+            self.counts["slo_violations"] += 1
+        if self.scheduler is not None:
+            self._tell(self.scheduler.completed(latency, epoch))
+        if generate:
+            return JSONResponse({"tokens": result})
+        return JSONResponse({"logits": np.asarray(result, dtype=np.float32).tolist()})
+
+    async def set_config(self, request: Request) -> Response:
+        if self.scheduler is not None:
+            return JSONResponse({"error": "a tuner sets the batching knobs of this server (started without "
+                                          "--tuner none)"}, status_code=409)
+        try:
+            doc = json.loads(await request.body())
+            if not isinstance(doc, dict):
+                raise TypeError(f"the body must be a JSON object, got {type(doc).__name__}")
+            unknown = sorted(set(doc) - set(BatchConfig.__dataclass_fields__))
+            if unknown:
+                raise ValueError(f"unknown field(s) {unknown}")
+            current = self.batcher.config.__dict__
+            config = BatchConfig(**{**current, **doc})
+        except (ValueError, TypeError) as e:
+            return JSONResponse({"error": str(e)}, status_code=422)
+        self.batcher.reconfigure(config)
+        return JSONResponse({"config": config.label()})
+
+    def _tell(self, config: BatchConfig | None) -> None:
+        if config is not None:
+            self.batcher.reconfigure(config)
+
+    def metrics(self) -> dict:
+        lat = np.asarray(self.latencies, dtype=float)
+        pct = {f"p{q}_ms": float(np.percentile(lat, q) * 1e3) if lat.size else None for q in (50, 95, 99)}
+        return {"requests": dict(self.counts), "recent": int(lat.size), **pct,
+                "slo_ms": self.slo_s * 1e3 if self.slo_s is not None else None,
+                "queued": len(self.batcher.queue), "batches": self.batcher.batches,
+                "config": self.batcher.config.label(),
+                "scheduler": self.scheduler.state() if self.scheduler is not None else None,
+                "switches": [[t, c] for t, c in self.scheduler.switches] if self.scheduler is not None else []}
+
+
+def build_app(server: Server) -> Starlette:
+    """The ASGI app over ``server`` (the batcher starts and stops with the app's lifespan)."""
+
+    async def logits(request):
+        return await server.handle(request, generate=False)
+
+    async def generate(request):
+        return await server.handle(request, generate=True)
+
+    async def health(request):
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(request):
+        return JSONResponse(server.metrics())
+
+    async def admin_config(request):
+        return await server.set_config(request)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await server.batcher.start()
+        try:
+            yield
+        finally:
+            await server.batcher.stop()
+
+    return Starlette(routes=[Route("/v1/logits", logits, methods=["POST"]),
+                             Route("/v1/generate", generate, methods=["POST"]),
+                             Route("/health", health), Route("/metrics", metrics),
+                             Route("/admin/config", admin_config, methods=["PUT"])], lifespan=lifespan)
+
+
+__all__ = ["Server", "build_app", "parse_request", "run_batch", "BadRequest"]
