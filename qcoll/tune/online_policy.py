@@ -11,7 +11,9 @@ Two phases:
   cost is their median (a median: one step disturbed by the machine does not move it). A
   configuration whose first step already takes ``abort`` times the best cost seen in this
   exploration ends its window there, with that step as its cost: it is not the best, and its
-  remaining steps would be paid in full. Configurations that ``feasible(point)`` rejects (their
+  remaining steps would be paid in full (for other observations, e.g. a server's request
+  latencies, ``window_cost`` turns a window's observations into its cost, default their median,
+  and the early end is judged on the window's first ``abort_after`` observations). Configurations that ``feasible(point)`` rejects (their
   quantization error is over budget) never run: the tuner is told they are infeasible. After
   ``explore`` measured configurations the policy settles on the best.
 - **exploit**: the best configuration runs, and the measured ones race: one window is noisy, so the
@@ -21,7 +23,8 @@ Two phases:
   to ``confirm`` windows in all, and the one with the best mean runs from then on. The same windows
   watch for drift: ``drift_patience`` windows in a row more than ``drift_tolerance`` off the running
   configuration's mean (slower or faster: the link changed) restart the tuner (:meth:`Tuner.restart`,
-  told the window just measured) and explore again, for ``reexplore`` configurations.
+  told the window just measured) and explore again, for ``reexplore`` configurations. A caller
+  that sees the workload change itself (a server's request rate) calls :meth:`restart`.
 """
 from __future__ import annotations
 
@@ -48,12 +51,13 @@ class OnlinePolicy:
     ``tuner``: a :class:`~qcoll.tune.Tuner` over the space; ``start``: the configuration running
     now (a point of the space), measured first. ``feasible``: ``point -> bool``, called before a
     configuration is run (default: every one is). ``confirm``: windows a challenger may run while
-    exploiting (racing; 1: none).
+    exploiting (racing; 1: none). ``window_cost``: ``list of observations -> cost`` (default the
+    median); ``abort_after``: observations after which a window may end early.
     """
 
     def __init__(self, tuner: Tuner, start, window: int = 4, explore: int = 12, reexplore: int | None = None,
                  abort: float = 1.5, drift_tolerance: float = 0.2, drift_patience: int = 2, confirm: int = 3,
-                 feasible=None):
+                 feasible=None, window_cost=None, abort_after: int = 1):
         if not isinstance(tuner, Tuner):
             raise TypeError(f"tuner must be a qcoll.tune.Tuner, got {type(tuner).__name__}")
         check_int(window, "window", minimum=1)
@@ -61,6 +65,9 @@ class OnlinePolicy:
         reexplore = explore if reexplore is None else check_int(reexplore, "reexplore", minimum=1)
         check_int(drift_patience, "drift_patience", minimum=1)
         check_int(confirm, "confirm", minimum=1)
+        check_int(abort_after, "abort_after", minimum=1)
+        if abort_after > window:
+            raise ValueError(f"abort_after ({abort_after}) must be <= window ({window})")
         for name, value, low in (("abort", abort, 1.0), ("drift_tolerance", drift_tolerance, 0.0)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > low:
                 raise ValueError(f"{name} must be a number > {low}, got {value!r}")
@@ -68,6 +75,8 @@ class OnlinePolicy:
         self.window, self.explore, self.reexplore, self.abort = window, explore, reexplore, float(abort)
         self.drift_tolerance, self.drift_patience, self.confirm = float(drift_tolerance), drift_patience, confirm
         self.feasible = feasible or (lambda point: True)
+        self.window_cost = window_cost or statistics.median
+        self.abort_after = abort_after
         self.current = self.space.check(start)
         self.phase = Phase.EXPLORE
         self.times: list[float] = []       # the current window's step seconds
@@ -80,10 +89,10 @@ class OnlinePolicy:
 
     # ------------------------------------------------------------------ schedule
     def due(self) -> int:
-        """Steps (>= 1) until the next :meth:`decide`: 1 while a configuration's first step may end
-        its window (exploring, with a best cost to compare it with), else the rest of the window."""
-        if self.phase is Phase.EXPLORE and not self.times and self.samples:
-            return 1
+        """Steps (>= 1) until the next :meth:`decide`: up to ``abort_after`` while they may end a
+        configuration's window (exploring, with a best cost to compare with), else the rest of the window."""
+        if self.phase is Phase.EXPLORE and len(self.times) < self.abort_after and self.samples:
+            return self.abort_after - len(self.times)
         return max(1, self.window - len(self.times))
 
     def observe(self, seconds: float) -> None:
@@ -118,11 +127,12 @@ class OnlinePolicy:
     # ------------------------------------------------------------------ explore
     def _decide_explore(self):
         best = self.best()
-        early = len(self.times) == 1 and best is not None and self.times[0] > self.abort * self.mean(best)
+        early = (len(self.times) == self.abort_after and best is not None
+                 and self.window_cost(self.times) > self.abort * self.mean(best))
         if len(self.times) < self.window and not early:
             return None
         self.aborted += early and len(self.times) < self.window
-        cost, self.times = statistics.median(self.times), []
+        cost, self.times = self.window_cost(self.times), []
         if self.current in self.samples:     # a configuration met again (kept across a restart)
             self.samples[self.current].append(cost)
         else:   # its first window: told the tuner (checked: the start ran unchecked; AutoTune caches the answer)
@@ -168,14 +178,14 @@ class OnlinePolicy:
 
     # ------------------------------------------------------------------ exploit
     def _decide_exploit(self):
-        cost, self.times = statistics.median(self.times), []
+        cost, self.times = self.window_cost(self.times), []
         before = self.samples.setdefault(self.current, [])
         reference = statistics.fmean(before) if len(before) >= 2 else None
         before.append(cost)
         off = reference is not None and abs(cost / reference - 1) > self.drift_tolerance
         self.strikes = self.strikes + 1 if off else 0
         if self.strikes >= self.drift_patience:
-            return self._restart(cost)
+            return self.restart(cost)
         if off:
             return None
         return self._switch(self._challenger())
@@ -193,12 +203,19 @@ class OnlinePolicy:
         best = self.best()
         return best if self.mean(best) < running * (1 - HYSTERESIS) else self.current
 
-    def _restart(self, cost: float):
-        """The step time moved and stayed: the link (or the load) changed; what was measured is stale."""
-        self.tuner.restart([Trial(self.current, cost, True)])
-        self.first, self.budget, self.samples = 0, self.reexplore, {self.current: [cost]}
+    def restart(self, cost: float | None = None):
+        """The step time moved and stayed: the link (or the load) changed; what was measured is stale.
+        The tuner is told only ``cost`` (the running configuration's latest window; None: its next
+        window is measured first) and explores ``reexplore`` configurations; returns the
+        configuration to switch to (None: keep)."""
+        self.tuner.restart([Trial(self.current, cost, True)] if cost is not None else [])
+        self.times = []
+        self.first, self.budget = 0, self.reexplore
+        self.samples = {self.current: [cost]} if cost is not None else {}
         self.phase, self.strikes = Phase.EXPLORE, 0
         self.explorations += 1
+        if cost is None:   # the running configuration's next window is this exploration's first measurement
+            return None
         if self.budget > 1:
             nxt = self._ask()
             if nxt is not None:

@@ -14,7 +14,10 @@ measured cost. The radius adapts (the BO variant's trade of speed against optima
 grows while the model predicts new measurements well and shrinks when it does not. When the
 workload changes (measurements drift from the predictions ``drift_patience`` times in a row by
 more than ``drift_tolerance`` and 3x the recent median error), the tuner keeps only the recent
-measurements and re-fills the table from them.
+measurements and re-fills the table from them. ``log_cost=True`` fits the regression on the
+logarithm of the cost: for costs that grow by orders of magnitude across the space, like a
+server's tail latency, which explodes as a configuration's throughput nears the request rate
+(a quadratic in the cost itself would be dragged by the few huge ones).
 """
 from __future__ import annotations
 
@@ -167,7 +170,8 @@ class RRL(Tuner):
 
     def __init__(self, space: Space, seed: int = 0, radius: float = 2.0, learning_rate: float = 0.3,
                  temperature: float = 0.003, adaptive_radius: bool = True, min_radius: float = 1.0,
-                 max_radius: float = 4.0, drift_tolerance: float = 0.25, drift_patience: int = 2):
+                 max_radius: float = 4.0, drift_tolerance: float = 0.25, drift_patience: int = 2,
+                 log_cost: bool = False):
         super().__init__(space, seed)
         if not radius > 0 or not 0 < learning_rate <= 1 or not temperature > 0:
             raise ValueError(f"radius and temperature must be positive and learning_rate in (0, 1], got "
@@ -175,6 +179,7 @@ class RRL(Tuner):
         self.radius, self.learning_rate, self.temperature = float(radius), float(learning_rate), float(temperature)
         self.adaptive_radius, self.min_radius, self.max_radius = adaptive_radius, min_radius, max_radius
         self.drift_tolerance, self.drift_patience = drift_tolerance, drift_patience
+        self.log_cost = bool(log_cost)
         self._rng = random.Random(seed)
         self._points = np.array(space.points(), dtype=float)
         self._index = {p: i for i, p in enumerate(space.points())}
@@ -257,8 +262,13 @@ class RRL(Tuner):
             dist = np.linalg.norm(self._points - self._points[center], axis=1)
             region = np.nonzero(dist <= self.radius)[0]
             idx = np.array(list(feasible))
-            estimate = fit_predict(self._points[idx], np.array(list(feasible.values())), self._points[region])
-            estimate = np.maximum(estimate, 0.0)
+            costs = np.array(list(feasible.values()))
+            if self.log_cost:
+                logs = np.log(np.maximum(costs, 1e-12))   # extrapolation kept within e^3 of what was measured
+                estimate = np.exp(np.clip(fit_predict(self._points[idx], logs, self._points[region]),
+                                          logs.min() - 3, logs.max() + 3))
+            else:
+                estimate = np.maximum(fit_predict(self._points[idx], costs, self._points[region]), 0.0)
             self.Q[region] = (1 - self.learning_rate) * self.Q[region] + self.learning_rate * estimate
         for j, c in self.measured.items():
             self.Q[j] = c
