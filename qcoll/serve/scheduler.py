@@ -18,7 +18,7 @@ The scheduler adds what serving needs:
   queued from the previous one are not counted (their wait belongs to that one);
 - the request rate is measured at the end of every window, over the last ``rate_horizon_s``
   seconds of arrivals; ``rate_patience`` measurements in a row more than ``rate_tolerance`` off
-  the rate at which this exploration began restart the search (the load changed: what was
+  the mean rate since this exploration began restart the search (the load changed: what was
   measured is stale), as a latency drift does.
 
 Independent of the engine: the server tells it :meth:`arrived` / :meth:`completed` /
@@ -72,7 +72,7 @@ class SloScheduler:
                  percentile: float = 95.0, window: int = 60, settle: int = 10, explore: int = 12, reexplore: int = 8,
                  abort: float = 2.0, abort_after: int = 10, drift_tolerance: float = 0.5,
                  rate_tolerance: float = 0.3, rate_patience: int = 2, rate_horizon_s: float = 3.0,
-                 confirm: int = 3, seed: int = 0, clock=time.monotonic):
+                 confirm: int = 3, probe_every: int | None = 4, seed: int = 0, clock=time.monotonic):
         for name, v in (("slo_s", slo_s), ("rate_tolerance", rate_tolerance), ("rate_horizon_s", rate_horizon_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
@@ -90,15 +90,15 @@ class SloScheduler:
         start_point = nearest_point(self.space, start or BatchConfig())
         self.policy = OnlinePolicy(self.tuner, start_point, window=window, explore=explore, reexplore=reexplore,
                                    abort=abort, drift_tolerance=drift_tolerance, confirm=confirm,
-                                   window_cost=self.window_cost, abort_after=min(abort_after, window))
+                                   window_cost=self.window_cost, abort_after=min(abort_after, window),
+                                   probe_every=probe_every)
         self.rate_tolerance, self.rate_patience, self.horizon = float(rate_tolerance), rate_patience, rate_horizon_s
         self.config = to_config(self.space, start_point)
         self.epoch = 0                 # +1 at every switch; a request counts for the epoch it arrived in
         self.left = self.policy.due()
         self.started = clock()
         self.recent_arrivals: collections.deque[float] = collections.deque()
-        self.reference_rate: float | None = None      # the rate this exploration began at,
-        self.reference_from = self.started + rate_horizon_s   # measured once a whole horizon is past it
+        self.reference_since, self.reference_arrivals = self.started, 0   # arrivals since the exploration began
         self.rate_strikes = 0
         self.rate_restarts = 0
         self.switches: list[tuple[float, str]] = [(self.started, self.config.label())]
@@ -112,6 +112,7 @@ class SloScheduler:
     def arrived(self) -> int:
         """A request arrived now: returns the epoch to pass to :meth:`completed`."""
         self.recent_arrivals.append(self.clock())
+        self.reference_arrivals += 1
         return self.epoch
 
     def completed(self, latency_s: float, epoch: int) -> BatchConfig | None:
@@ -145,20 +146,24 @@ class SloScheduler:
             self.recent_arrivals.popleft()
         return len(self.recent_arrivals) / self.horizon if now - self.started >= self.horizon else None
 
+    def reference_rate(self) -> float | None:
+        """The mean rate since this exploration began (None until ``rate_horizon_s`` has passed)."""
+        elapsed = self.clock() - self.reference_since
+        return self.reference_arrivals / elapsed if elapsed >= self.horizon else None
+
     def _check_rate(self, point):
         rate = self.rate()
         if not rate:
             return point
-        if self.reference_rate is None:
-            if self.clock() >= self.reference_from:
-                self.reference_rate = rate
+        reference = self.reference_rate()
+        if reference is None:
             return point
-        off = abs(rate / self.reference_rate - 1) > self.rate_tolerance
+        off = abs(rate / reference - 1) > self.rate_tolerance
         self.rate_strikes = self.rate_strikes + 1 if off else 0
         if self.rate_strikes < self.rate_patience:
             return point
         # the load changed: measure the running configuration first, then explore again
-        self.rate_strikes, self.reference_rate, self.reference_from = 0, None, self.clock() + self.horizon
+        self.rate_strikes, self.reference_since, self.reference_arrivals = 0, self.clock(), 0
         self.rate_restarts += 1
         self.policy.restart(None)
         return point
@@ -175,4 +180,4 @@ class SloScheduler:
         return {"config": self.config.label(), "phase": self.policy.phase.value,
                 "explorations": self.policy.explorations, "rate_restarts": self.rate_restarts,
                 "switches": len(self.switches) - 1, "measured": len(self.tuner.trials),
-                "reference_rate": self.reference_rate}
+                "reference_rate": self.reference_rate()}
