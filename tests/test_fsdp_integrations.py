@@ -143,6 +143,7 @@ def llama_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.long   # ~33 s: Trainer and accelerate under torchrun
 def test_hf_trainer_refused_by_accelerate_on_cpu_then_on_a_transformers_sharded_hsdp_model(llama_dir):
     """One launch, two Trainers. (1) Accelerate's FSDP2 plugin shards on GPUs only: on CPU the Trainer
     runs MULTI_CPU (DDP), no FSDP module exists, and the callback raises instead of training

@@ -66,6 +66,7 @@ def test_unquantized_measurement_equals_the_float64_half_batch_cosine(ranks4, pe
         assert out_err < 1e-5    # and the reduce-scatter's output is still the average
 
 
+@pytest.mark.long   # 6 ranks on 2 cores: ~35 s
 def test_unquantized_measurement_with_an_odd_node_count():
     pool = RankPool(6)
     try:

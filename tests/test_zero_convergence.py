@@ -38,6 +38,8 @@ import qcoll
 from qcoll import zero
 from qcoll.testing import Batches, TransformerConfig, char_transformer, corpus, train_steps
 
+pytestmark = pytest.mark.long   # ~5.5 min on 2 cores: outside the default run (pytest -m long runs it)
+
 STEPS, TAIL, BATCH, LR, BATCH_SEED = 200, 40, 16, 1e-3, 7
 SEED_A, SEED_B = 0, 1
 TOLERANCE = 0.03
