@@ -180,3 +180,38 @@ def test_cli_refuses_what_it_cannot_serve(exported, tmp_path, capsys):
     for argv, message in cases:
         assert cli.main(argv) == 2
         assert message in capsys.readouterr().err, argv
+
+
+def test_an_onnx_export_is_served_through_onnxruntime(exported, oracle, tmp_path):
+    """The same model exported to ONNX (codes in DequantizeLinear nodes, dynamic batch and sequence
+    axes) and served by OnnxRunner: onnxruntime's kernels sum in another order than torch's, so the
+    logits agree to 1e-5 (test_weights_onnx measures 3e-7), far below the quantization's effect."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    import warnings
+
+    from qcoll.serve import OnnxRunner
+    from qcoll.weights import read
+    from qcoll.weights.onnx import export_onnx
+
+    path, config = exported
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(config),
+                                                          use_cache=False)
+    load_quantized(path, model).eval()
+    weights, plain, _, _ = read(path)
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    dims = {"input_ids": {0: torch.export.Dim("batch", max=64), 1: torch.export.Dim("seq", max=POSITIONS)}}
+    onnx_path = tmp_path / "model.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        export_onnx(model, (torch.tensor([[3, 4, 5, 6]] * 2),), weights, onnx_path,
+                    plain={k: v for k, v in plain.items() if k in names}, input_names=["input_ids"],
+                    output_names=["logits"], dynamic_shapes=dims)
+    runner = load_runner(str(onnx_path))
+    assert isinstance(runner, OnnxRunner) and runner.vocab_size == MODEL_ARGS.vocab
+    with serving(build_app(Server(runner, BatchConfig(max_batch_size=4, batch_wait_timeout_s=0.02,
+                                                      intra_op_threads=2)))) as url:
+        answers = _concurrently(url + "/v1/logits", [{"prompt": p} for p in PROMPTS[:7]])
+    for prompt, (status, doc, _) in zip(PROMPTS, answers):
+        assert status == 200, doc
+        assert np.abs(np.float32(doc["logits"]) - oracle(prompt)).max() <= 1e-5, prompt

@@ -29,7 +29,7 @@ from .. import files
 
 _TEMP_PREFIX = ".qcoll-bench-"  # temporary files of write_atomic: .qcoll-bench-<random>.tmp
 
-SUBCOMMANDS = ("collectives", "train", "cluster", "tune", "generate", "rlhf")
+SUBCOMMANDS = ("collectives", "train", "cluster", "tune", "generate", "rlhf", "serve")
 
 PROG = "qcoll-bench"
 
