@@ -80,6 +80,7 @@ class Batcher:
         self._tasks: list[asyncio.Task] = []
         self._pool: ThreadPoolExecutor | None = None
         self._threads_set = None
+        self._in_flight: dict[int, Job] = {}       # the jobs whose batch runs now, by id
         self.batches = 0
         self.rejected = 0
 
@@ -90,12 +91,14 @@ class Batcher:
         self._resize()
 
     async def stop(self) -> None:
+        in_flight = list(self._in_flight.values())
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        while self.queue:
-            job = self.queue.popleft()
+        left = list(self.queue) + in_flight
+        self.queue.clear()
+        for job in left:    # queued, or in a batch whose worker was cancelled: answered, never left hanging
             if not job.future.done():
                 job.future.set_exception(Overloaded("the server is shutting down"))
         if self._pool is not None:
@@ -158,6 +161,7 @@ class Batcher:
             if not jobs:
                 continue
             threads = self.config.intra_op_threads
+            self._in_flight.update((id(j), j) for j in jobs)
             try:
                 results = await loop.run_in_executor(self._pool, self._run, threads, [j.payload for j in jobs])
             except Exception as e:   # the batch failed: every request in it gets the error
@@ -165,6 +169,9 @@ class Batcher:
                     if not j.future.done():
                         j.future.set_exception(e)
                 continue
+            finally:
+                for j in jobs:
+                    self._in_flight.pop(id(j), None)
             self.batches += 1
             for j, r in zip(jobs, results):
                 if not j.future.done():
