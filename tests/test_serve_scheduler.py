@@ -123,7 +123,7 @@ def test_it_starts_nearest_the_engine_defaults_and_switches_only_within_the_spac
         if config is not None:
             seen.add(config)
             assert config == sched.config and SPACE.config(sched.policy.current) == config.__dict__
-    assert len(seen) >= 10
+    assert len(seen) >= 5
 
 
 def test_space_follows_the_cores():

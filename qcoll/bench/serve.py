@@ -37,7 +37,7 @@ from ..serve.batcher import BatchConfig
 from ..serve.scheduler import serve_space
 from . import cli
 from .hf_decoder import add_model_options
-from .serve_load import arrivals, parse_trace, run_load, segment_starts
+from .serve_load import arrivals, parse_trace, rate_at, run_load
 from .serve_model import write_model
 from .serve_report import format_replay, format_table, oracle_point, summarize
 
@@ -193,20 +193,24 @@ def replay_on_tables(args, space, tables) -> dict:
 
 
 def _switcher(server, space, tables, trace, start_time):
-    """A thread that applies the oracle's configuration at each segment's start."""
+    """A thread that applies the oracle's configuration for the rate of the moment (the table
+    rate nearest it), checked every 0.5 s: at each step's start, and along a ramp."""
     import threading
 
     def run():
-        for seg_start, seg in zip(segment_starts(trace), trace):
-            delay = start_time + seg_start - time.monotonic()
+        applied, end = None, sum(s.seconds for s in trace)
+        for t in np.arange(0.0, end, 0.5):
+            delay = start_time + t - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-            point = oracle_point(tables, (seg.rate_from + seg.rate_to) / 2)
-            server.put_config(space.config(point))
+            point = oracle_point(tables, rate_at(trace, t))
+            if point != applied:
+                server.put_config(space.config(point))
+                applied = point
 
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
 
 
 def run_trace(args, files, space, body, name: str, tables: dict | None) -> dict:

@@ -64,6 +64,14 @@ def segment_starts(trace: list[Segment]) -> list[float]:
     return list(np.cumsum([0.0] + [s.seconds for s in trace])[:-1])
 
 
+def rate_at(trace: list[Segment], t: float) -> float:
+    """The trace's rate ``t`` seconds from its start (its last rate after its end)."""
+    for start, seg in zip(segment_starts(trace), trace):
+        if t < start + seg.seconds:
+            return seg.rate(max(t - start, 0.0))
+    return trace[-1].rate_to
+
+
 async def _run(url: str, times: np.ndarray, body: bytes, connections: int, timeout_s: float) -> dict:
     import aiohttp
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..serve.replay import settled
-from .serve_load import segment_starts
+from .serve_load import rate_at, segment_starts
 
 
 def _nearest(tables: dict, rate: float) -> list[dict]:
@@ -16,6 +16,13 @@ def oracle_point(tables: dict, rate: float) -> tuple:
     """The configuration with the lowest offline p95 at the table rate nearest ``rate``."""
     best = min(_nearest(tables, rate), key=lambda row: row["p95_s"])
     return tuple(best["point"])
+
+
+def _near(tables: dict, rate: float, label: str, within: float) -> bool:
+    """Whether configuration ``label``'s offline p95 at the table rate nearest ``rate`` is within
+    ``within`` of that table's best."""
+    table = {row["config"]: row["p95_s"] for row in _nearest(tables, rate)}
+    return table.get(label, np.inf) <= min(table.values()) * (1 + within)
 
 
 def _pct(x: np.ndarray, q: float) -> float | None:
@@ -41,9 +48,8 @@ def _changes(args, times, sent, labels, tables) -> list[dict]:
     for k, seg in enumerate(trace):
         mine = np.nonzero((times >= starts[k]) & (times < starts[k + 1]))[0]
         rate = (seg.rate_from + seg.rate_to) / 2
-        table = {row["config"]: row["p95_s"] for row in _nearest(tables, rate)}
-        best = min(table.values())
-        near = np.array([table.get(labels[i], np.inf) <= best * (1 + args.within) for i in mine], dtype=bool)
+        near = np.array([_near(tables, rate_at(trace, times[i]), labels[i], args.within) for i in mine], dtype=bool)
+        best = min(row["p95_s"] for row in _nearest(tables, rate))
         first = int(np.argmax(near)) if near.any() else None
         out.append({"segment": k, "rate": rate, "requests": int(mine.size), "oracle_p95_ms": best * 1e3,
                     "first": first, "settled": settled(near)})
@@ -71,14 +77,12 @@ def summarize(name: str, args, times, out: dict, metrics: dict, tables: dict | N
         doc["segments"].append({"p95_ms": _pct(lat[s_ok] * 1e3, 95),
                                 "violation_rate": float(np.mean(~ok[m] | (lat[m] > slo))) if m.any() else None})
     if tables:
-        if name == "oracle":
+        if name == "oracle":   # the configuration it applied for the rate of the moment
             labels = []
             for t in times:
-                k = int(np.searchsorted(starts, t, side="right") - 1)
-                seg = args.trace_segments[k]
-                point = oracle_point(tables, (seg.rate_from + seg.rate_to) / 2)
-                labels.append(next(r["config"] for r in _nearest(tables, (seg.rate_from + seg.rate_to) / 2)
-                                   if tuple(r["point"]) == point))
+                rate = rate_at(args.trace_segments, t)
+                point = oracle_point(tables, rate)
+                labels.append(next(r["config"] for r in _nearest(tables, rate) if tuple(r["point"]) == point))
         else:
             labels = _config_at(metrics.get("switches", []), out["sent"], metrics.get("config"))
         doc["changes"] = _changes(args, times, out["sent"], labels, tables)

@@ -38,6 +38,8 @@ from ..tune import TUNERS, Knob, OnlinePolicy, Space
 from .batcher import BatchConfig
 
 SHED_PENALTY = 10.0
+#: RRL's options for serving (see the module docstring)
+RRL_OPTIONS = {"log_cost": True, "temperature": 0.003}
 
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -72,7 +74,8 @@ class SloScheduler:
                  percentile: float = 95.0, window: int = 60, settle: int = 10, explore: int = 12, reexplore: int = 8,
                  abort: float = 2.0, abort_after: int = 10, drift_tolerance: float = 0.5,
                  rate_tolerance: float = 0.3, rate_patience: int = 2, rate_horizon_s: float = 3.0,
-                 confirm: int = 3, probe_every: int | None = 4, seed: int = 0, clock=time.monotonic):
+                 confirm: int = 3, seed: int = 0, tuner_options: dict | None = None,
+                 clock=time.monotonic):
         for name, v in (("slo_s", slo_s), ("rate_tolerance", rate_tolerance), ("rate_horizon_s", rate_horizon_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
@@ -85,13 +88,13 @@ class SloScheduler:
         self.settling = self.settle
         self.space = space or serve_space()
         self.slo_s, self.percentile, self.clock = float(slo_s), float(percentile), clock
-        kwargs = {"log_cost": True} if tuner == "rrl" else {}
-        self.tuner = TUNERS[tuner](self.space, seed=seed, **kwargs)
+        options = dict(RRL_OPTIONS) if tuner == "rrl" else {}
+        options.update(tuner_options or {})
+        self.tuner = TUNERS[tuner](self.space, seed=seed, **options)
         start_point = nearest_point(self.space, start or BatchConfig())
         self.policy = OnlinePolicy(self.tuner, start_point, window=window, explore=explore, reexplore=reexplore,
                                    abort=abort, drift_tolerance=drift_tolerance, confirm=confirm,
-                                   window_cost=self.window_cost, abort_after=min(abort_after, window),
-                                   probe_every=probe_every)
+                                   window_cost=self.window_cost, abort_after=min(abort_after, window))
         self.rate_tolerance, self.rate_patience, self.horizon = float(rate_tolerance), rate_patience, rate_horizon_s
         self.config = to_config(self.space, start_point)
         self.epoch = 0                 # +1 at every switch; a request counts for the epoch it arrived in
@@ -101,7 +104,8 @@ class SloScheduler:
         self.reference_since, self.reference_arrivals = self.started, 0   # arrivals since the exploration began
         self.rate_strikes = 0
         self.rate_restarts = 0
-        self.switches: list[tuple[float, str]] = [(self.started, self.config.label())]
+        self.switches: collections.deque[tuple[float, str]] = collections.deque(   # (clock, label), the latest
+            [(self.started, self.config.label())], maxlen=10_000)
 
     # ------------------------------------------------------------------ costs
     def window_cost(self, latencies: list[float]) -> float:

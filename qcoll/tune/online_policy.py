@@ -52,15 +52,12 @@ class OnlinePolicy:
     now (a point of the space), measured first. ``feasible``: ``point -> bool``, called before a
     configuration is run (default: every one is). ``confirm``: windows a challenger may run while
     exploiting (racing; 1: none). ``window_cost``: ``list of observations -> cost`` (default the
-    median); ``abort_after``: observations after which a window may end early. ``probe_every``:
-    while exploiting with no challenger left to race, every that many windows one more
-    configuration the tuner asks for is explored (None: never; the tuner keeps learning where
-    windows are cheap, as a server's are).
+    median); ``abort_after``: observations after which a window may end early.
     """
 
     def __init__(self, tuner: Tuner, start, window: int = 4, explore: int = 12, reexplore: int | None = None,
                  abort: float = 1.5, drift_tolerance: float = 0.2, drift_patience: int = 2, confirm: int = 3,
-                 feasible=None, window_cost=None, abort_after: int = 1, probe_every: int | None = None):
+                 feasible=None, window_cost=None, abort_after: int = 1):
         if not isinstance(tuner, Tuner):
             raise TypeError(f"tuner must be a qcoll.tune.Tuner, got {type(tuner).__name__}")
         check_int(window, "window", minimum=1)
@@ -69,8 +66,6 @@ class OnlinePolicy:
         check_int(drift_patience, "drift_patience", minimum=1)
         check_int(confirm, "confirm", minimum=1)
         check_int(abort_after, "abort_after", minimum=1)
-        if probe_every is not None:
-            check_int(probe_every, "probe_every", minimum=1)
         if abort_after > window:
             raise ValueError(f"abort_after ({abort_after}) must be <= window ({window})")
         for name, value, low in (("abort", abort, 1.0), ("drift_tolerance", drift_tolerance, 0.0)):
@@ -91,9 +86,6 @@ class OnlinePolicy:
         self.strikes = 0                   # exploit: windows in a row off the running configuration's mean
         self.explorations = 1
         self.aborted = 0
-        self.probe_every = probe_every
-        self.since_probe = 0               # exploit windows since the last probe
-        self.probes = 0
 
     # ------------------------------------------------------------------ schedule
     def due(self) -> int:
@@ -196,22 +188,7 @@ class OnlinePolicy:
             return self.restart(cost)
         if off:
             return None
-        nxt = self._challenger()
-        self.since_probe += 1
-        if nxt == self.current and self.probe_every and self.since_probe >= self.probe_every:
-            return self._probe()
-        return self._switch(nxt)
-
-    def _probe(self):
-        """One more configuration from the tuner (explored as in the first phase, then back to the best)."""
-        self.since_probe = 0
-        nxt = self._ask()
-        if nxt is None:
-            return None
-        self.budget = len(self.tuner.trials) - self.first + 1
-        self.phase = Phase.EXPLORE
-        self.probes += 1
-        return self._switch(nxt)
+        return self._switch(self._challenger())
 
     def _challenger(self):
         """What runs next: the configuration whose optimistic estimate beats the running one's mean
