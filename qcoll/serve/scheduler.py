@@ -16,6 +16,9 @@ The scheduler adds what serving needs:
 - a window is ``window`` requests that *arrived* under the running configuration, after its
   first ``settle`` (they queue behind the previous configuration's backlog); requests still
   queued from the previous one are not counted (their wait belongs to that one);
+- a latency drift restarts the search only when ``drift_patience`` windows in a row are
+  ``drift_tolerance`` off (default 3 windows twice or half as slow: a server's window p95 is
+  noisier than a training step, and a load change is caught by the rate, below);
 - the request rate is measured at the end of every window, over the last ``rate_horizon_s``
   seconds of arrivals; ``rate_patience`` measurements in a row more than ``rate_tolerance`` off
   the mean rate since this exploration began restart the search (the load changed: what was
@@ -72,7 +75,7 @@ class SloScheduler:
 
     def __init__(self, slo_s: float, tuner: str = "rrl", space: Space | None = None, start: BatchConfig | None = None,
                  percentile: float = 95.0, window: int = 60, settle: int = 10, explore: int = 12, reexplore: int = 8,
-                 abort: float = 2.0, abort_after: int = 10, drift_tolerance: float = 0.5,
+                 abort: float = 2.0, abort_after: int = 10, drift_tolerance: float = 1.0, drift_patience: int = 3,
                  rate_tolerance: float = 0.3, rate_patience: int = 2, rate_horizon_s: float = 3.0,
                  confirm: int = 3, seed: int = 0, tuner_options: dict | None = None,
                  clock=time.monotonic):
@@ -93,7 +96,8 @@ class SloScheduler:
         self.tuner = TUNERS[tuner](self.space, seed=seed, **options)
         start_point = nearest_point(self.space, start or BatchConfig())
         self.policy = OnlinePolicy(self.tuner, start_point, window=window, explore=explore, reexplore=reexplore,
-                                   abort=abort, drift_tolerance=drift_tolerance, confirm=confirm,
+                                   abort=abort, drift_tolerance=drift_tolerance, drift_patience=drift_patience,
+                                   confirm=confirm,
                                    window_cost=self.window_cost, abort_after=min(abort_after, window))
         self.rate_tolerance, self.rate_patience, self.horizon = float(rate_tolerance), rate_patience, rate_horizon_s
         self.config = to_config(self.space, start_point)
