@@ -51,18 +51,19 @@ def test_short_run_end_to_end(tmp_path):
     from qcoll.bench.cli import main
 
     out = tmp_path / "serve.json"
-    rc = main(["serve", "--trace", "30:3,90:3", "--runs", "default", "oracle", "rrl", "--batch-sizes", "1,8",
-               "--timeouts-ms", "0", "--oracle-seconds", "0.8", "--settle-seconds", "0.2", "--layers", "1",
+    rc = main(["serve", "--trace", "30:2,90:2", "--runs", "oracle", "rrl", "--batch-sizes", "1,8",
+               "--timeouts-ms", "0", "--oracle-seconds", "0.6", "--settle-seconds", "0.1", "--layers", "1",
                "--d-model", "32", "--heads", "2", "--vocab", "64", "--prompt-len", "8", "--new-tokens", "1",
-               "--window", "20", "--json", str(out)])
+               "--window", "20", "--replay-seeds", "2", "--json", str(out)])
     assert rc == 0
     doc = json.loads(out.read_text())
     assert doc["space"] == 8 and set(doc["tables"]) == {"30.0", "90.0"}
     assert all(len(rows) == 8 for rows in doc["tables"].values())
     runs = {r["run"]: r for r in doc["runs"]}
-    assert set(runs) == {"default", "oracle", "rrl"}
-    n = runs["default"]["requests"]
-    assert 270 - 4 * 270 ** 0.5 < n < 270 + 4 * 270 ** 0.5
+    assert set(runs) == {"oracle", "rrl"}
+    n = runs["oracle"]["requests"]
+    assert 240 - 4 * 240 ** 0.5 < n < 240 + 4 * 240 ** 0.5          # 30/s and 90/s for 2 s each
+    assert set(doc["replay"]) == {"rrl", "random", "tpe"}
     for r in runs.values():
         assert r["requests"] == n and r["ok"] + r["http_503"] + r["failed"] == n
         assert r["ok"] > 0.9 * n and 0 < r["p50_ms"] <= r["p95_ms"] <= r["p99_ms"]

@@ -195,8 +195,9 @@ def test_an_onnx_export_is_served_through_onnxruntime(exported, oracle, tmp_path
     from qcoll.weights.onnx import export_onnx
 
     path, config = exported
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(config),
-                                                          use_cache=False)
+    cfg = transformers.AutoConfig.from_pretrained(config)
+    cfg.use_cache = False
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
     load_quantized(path, model).eval()
     weights, plain, _, _ = read(path)
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
