@@ -45,3 +45,17 @@ def check_bool(value, name: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
     return value
+
+
+def int_option(text: str, minimum: int) -> int:
+    """A command-line integer of at least ``minimum`` (for argparse ``type=`` callables):
+    ``argparse.ArgumentTypeError`` with a one-line message otherwise."""
+    import argparse
+
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {v}")
+    return v

@@ -26,6 +26,7 @@ import sys
 from typing import BinaryIO, Callable
 
 from .. import files
+from ..checks import int_option
 
 _TEMP_PREFIX = ".qcoll-bench-"  # temporary files of write_atomic: .qcoll-bench-<random>.tmp
 
@@ -42,23 +43,11 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+    return int_option(text, 1)
 
 
 def nonnegative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
+    return int_option(text, 0)
 
 
 def add_common_options(p: argparse.ArgumentParser, *, iters: int = 10, warmup: int = 2) -> argparse.ArgumentParser:

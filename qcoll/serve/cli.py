@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..checks import int_option
 from .app import Server, build_app
 from .batcher import BatchConfig
 from .runner import load_runner
@@ -15,13 +16,7 @@ from .scheduler import BATCH_SIZES, TIMEOUTS_S, SloScheduler, serve_space
 
 
 def positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
+    return int_option(text, 1)
 
 
 def positive_float(text: str) -> float:
