@@ -292,9 +292,11 @@ def test_subcommand_registry():
     for name in cli.SUBCOMMANDS:
         sub = parser.subcommands[name]
         args = sub.parse_args([])
-        # the subcommands that start ranks share the common options; cluster runs one of them
+        # the subcommands that start ranks share the common options; cluster runs one of them; serve starts
+        # a server process, not ranks
         common = ("nproc", "ranks_per_node", "json", "plot", "iters", "warmup")
-        expected = ("nodes", "ranks_per_node", "link", "delay", "timeout", "json") if name == "cluster" else common
+        expected = {"cluster": ("nodes", "ranks_per_node", "link", "delay", "timeout", "json"),
+                    "serve": ("trace", "runs", "slo_ms", "json")}.get(name, common)
         for opt in expected:
             assert hasattr(args, opt), (name, opt)
         assert callable(args.func)
