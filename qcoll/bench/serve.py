@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from ..serve.batcher import BatchConfig
 from ..serve.scheduler import serve_space
 from . import cli
 from .hf_decoder import add_model_options
+from .ranks import _free_port
 from .serve_load import arrivals, parse_trace, rate_at, run_load
 from .serve_model import write_model
 from .serve_report import format_replay, format_table, oracle_point, summarize
@@ -75,12 +75,6 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------- the server
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerProcess:
     """``qcoll-serve`` in a process of its own (``python -m qcoll.serve.cli``), stopped on exit."""
 
@@ -138,8 +132,7 @@ def _body(args) -> bytes:
 def _rates(trace) -> list[float]:
     rates = set()
     for seg in trace:
-        rates.update({seg.rate_from, seg.rate_to, (seg.rate_from + seg.rate_to) / 2} if seg.rate_from != seg.rate_to
-                     else {seg.rate_from})
+        rates.update({seg.rate_from, seg.rate_to, seg.mean_rate})
     return sorted(r for r in rates if r > 0)
 
 
@@ -185,8 +178,7 @@ def replay_on_tables(args, space, tables) -> dict:
     from ..serve.replay import replay_many
     from .serve_report import _nearest
 
-    segments = [((s.rate_from + s.rate_to) / 2, int((s.rate_from + s.rate_to) / 2 * s.seconds))
-                for s in args.trace_segments]
+    segments = [(s.mean_rate, int(s.mean_rate * s.seconds)) for s in args.trace_segments]
     by_point = [{tuple(r["point"]): r["p95_s"] for r in _nearest(tables, rate)} for rate, _ in segments]
     return replay_many(by_point, segments, seeds=args.replay_seeds, within=args.within, slo_s=args.slo_ms / 1e3,
                        space=space, window=args.window)

@@ -26,6 +26,10 @@ class Segment:
     def rate(self, t: float) -> float:
         return self.rate_from + (self.rate_to - self.rate_from) * (t / self.seconds)
 
+    @property
+    def mean_rate(self) -> float:
+        return (self.rate_from + self.rate_to) / 2
+
 
 def parse_trace(text: str) -> list[Segment]:
     """``"20:60,10-60:30"`` -> segments (rates in requests/s, durations in s); ValueError naming the bad part."""

@@ -12,17 +12,23 @@ def _nearest(tables: dict, rate: float) -> list[dict]:
     return tables[min(tables, key=lambda r: abs(float(r) - rate))]
 
 
+def _best_row(tables: dict, rate: float) -> dict:
+    """The row with the lowest offline p95 at the table rate nearest ``rate``."""
+    return min(_nearest(tables, rate), key=lambda row: row["p95_s"])
+
+
 def oracle_point(tables: dict, rate: float) -> tuple:
     """The configuration with the lowest offline p95 at the table rate nearest ``rate``."""
-    best = min(_nearest(tables, rate), key=lambda row: row["p95_s"])
-    return tuple(best["point"])
+    return tuple(_best_row(tables, rate)["point"])
 
 
-def _near(tables: dict, rate: float, label: str, within: float) -> bool:
-    """Whether configuration ``label``'s offline p95 at the table rate nearest ``rate`` is within
-    ``within`` of that table's best."""
-    table = {row["config"]: row["p95_s"] for row in _nearest(tables, rate)}
-    return table.get(label, np.inf) <= min(table.values()) * (1 + within)
+def _near_sets(tables: dict, within: float) -> dict:
+    """Per table rate: the labels of the configurations within ``within`` of that table's best p95."""
+    out = {}
+    for rate, rows in tables.items():
+        best = min(row["p95_s"] for row in rows)
+        out[rate] = {row["config"] for row in rows if row["p95_s"] <= best * (1 + within)}
+    return out
 
 
 def _pct(x: np.ndarray, q: float) -> float | None:
@@ -44,12 +50,13 @@ def _changes(args, times, sent, labels, tables) -> list[dict]:
     on in 90% of the segment's requests, :func:`qcoll.serve.replay.settled`)."""
     out = []
     trace = args.trace_segments
+    near_sets = _near_sets(tables, args.within)
     starts = segment_starts(trace) + [float("inf")]
     for k, seg in enumerate(trace):
         mine = np.nonzero((times >= starts[k]) & (times < starts[k + 1]))[0]
-        rate = (seg.rate_from + seg.rate_to) / 2
-        near = np.array([_near(tables, rate_at(trace, times[i]), labels[i], args.within) for i in mine], dtype=bool)
-        best = min(row["p95_s"] for row in _nearest(tables, rate))
+        rate = seg.mean_rate
+        near = np.array([labels[i] in _nearest(near_sets, rate_at(trace, times[i])) for i in mine], dtype=bool)
+        best = _best_row(tables, rate)["p95_s"]
         first = int(np.argmax(near)) if near.any() else None
         out.append({"segment": k, "rate": rate, "requests": int(mine.size), "oracle_p95_ms": best * 1e3,
                     "first": first, "settled": settled(near)})
@@ -78,11 +85,7 @@ def summarize(name: str, args, times, out: dict, metrics: dict, tables: dict | N
                                 "violation_rate": float(np.mean(~ok[m] | (lat[m] > slo))) if m.any() else None})
     if tables:
         if name == "oracle":   # the configuration it applied for the rate of the moment
-            labels = []
-            for t in times:
-                rate = rate_at(args.trace_segments, t)
-                point = oracle_point(tables, rate)
-                labels.append(next(r["config"] for r in _nearest(tables, rate) if tuple(r["point"]) == point))
+            labels = [_best_row(tables, rate_at(args.trace_segments, t))["config"] for t in times]
         else:
             labels = _config_at(metrics.get("switches", []), out["sent"], metrics.get("config"))
         doc["changes"] = _changes(args, times, out["sent"], labels, tables)

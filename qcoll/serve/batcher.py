@@ -53,11 +53,10 @@ class Overloaded(RuntimeError):
 
 @dataclass
 class Job:
-    """One request in the queue: what to run, when it arrived, which configuration it arrived under."""
+    """One request in the queue: what to run, when it arrived."""
 
     payload: Any
     arrival: float
-    epoch: int
     future: asyncio.Future
 
 
@@ -130,7 +129,7 @@ class Batcher:
         if len(self.queue) >= self.max_queue:
             self.rejected += 1
             raise Overloaded(f"{len(self.queue)} requests are queued (max_queue={self.max_queue})")
-        job = Job(payload, self.clock(), self.epoch, asyncio.get_running_loop().create_future())
+        job = Job(payload, self.clock(), asyncio.get_running_loop().create_future())
         self.queue.append(job)
         self._arrived.set()
         return job.future
