@@ -41,7 +41,7 @@ def all_reduce_quantized(
     is ``dist.all_reduce`` (``op="avg"`` divides by ``g``). Returns None, or with ``async_op``
     a handle whose ``wait()`` completes the call (both stages run at the launch).
 
-    Ranks that disagree on ``bits``, ``block_size`` or the size: stage 1's frame headers
+    Ranks that disagree on ``bits``, ``block_size``, ``op`` or the size: stage 1's frame headers
     are checked on receipt; a rank that received a mismatching frame still takes part in
     stage 2, sending a poisoned header, so every rank raises
     :class:`qcoll.comm.RankMismatchError`. Where the buffers' sizes differ, gloo aborts a
@@ -54,14 +54,15 @@ def all_reduce_quantized(
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     g = dist.get_world_size(group)
-    validate.debug_check("all_reduce", group, tensor.numel(), bits, block_size, tensor.dtype, tensor.device)
+    validate.debug_check("all_reduce", group, tensor.numel(), bits, block_size, tensor.dtype, tensor.device,
+                         reduce_op=op)
     if bits is None or g == 1:
         return _plain(tensor, group, g, op, async_op)
     flat = tensor.view(-1)
     S = -(-flat.numel() // g)
     padded = torch.zeros(g * S, dtype=tensor.dtype, device=tensor.device)
     padded[: flat.numel()].copy_(flat)
-    header = framing.Header(bits, block_size, S)
+    header = framing.Header(bits, block_size, S, average=op == "avg")
     frames = framing.frame(rows.quantize_rows(padded.view(g, S), bits, block_size), header)
     recv, work = all_to_all_frames(frames, group, g)
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)

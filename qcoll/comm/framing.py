@@ -5,7 +5,9 @@ and block size alone). The collectives frame what they send to one peer with
 :class:`Header` (layout in docs/FORMAT.md, "Frames"), and every receiver compares
 the headers it got with the one its own arguments give *before* decoding, so a
 rank that passed a different size, ``bits`` or ``block_size`` makes the others
-raise :class:`~qcoll.comm.errors.RankMismatchError` instead of decoding garbage.
+raise :class:`~qcoll.comm.errors.RankMismatchError` instead of decoding garbage. The
+reductions' frames also say whether the sender averages (``op="avg"``), so ranks that
+disagree on the reduction raise too instead of summing what others average.
 The comparison is one 16-byte compare per received frame; the frames are
 counted in the byte accounting.
 """
@@ -30,6 +32,8 @@ VERSION = 1
 FLAG_POISONED = 0x01
 FLAG_ROTATED = 0x02
 OUTLIERS_SHIFT = 2     # flags bits 2-5: the outlier reserve per block (0-8)
+OUTLIERS_MASK = 0x0F
+FLAG_AVERAGE = 0x40    # a reduction's op="avg" (sum: clear; the all-gathers: clear)
 MAX_NUMEL = 2**48 - 1
 _PREFIX = struct.Struct("<2sBBBB6s")   # magic, version, flags, bits, log2(block_size), numel (u48)
 _CHECK = struct.Struct("<I")
@@ -48,8 +52,9 @@ class Header:
     """What one frame says about the packed rows behind it: ``bits``, ``block_size``,
     ``numel`` (elements per row), whether the sender marked it poisoned (it had
     received mismatching data earlier in the same collective; the payload is void) and
-    whether the values are Hadamard-rotated (qgZ's ``hadamard=True``), and each block's
-    outlier reserve (docs/FORMAT.md "Outlier reserve"; 0: plain rows)."""
+    whether the values are Hadamard-rotated (qgZ's ``hadamard=True``), each block's
+    outlier reserve (docs/FORMAT.md "Outlier reserve"; 0: plain rows), and whether a
+    reduction averages (``op="avg"``; False for ``"sum"`` and for the all-gathers)."""
 
     bits: int
     block_size: int
@@ -57,13 +62,14 @@ class Header:
     poisoned: bool = False
     rotated: bool = False
     outliers: int = 0
+    average: bool = False
 
     def to_bytes(self) -> bytes:
         if not 0 <= self.numel <= MAX_NUMEL:
             raise ValueError(f"numel must be in [0, 2**48) to be framed, got {self.numel}")
         log2 = self.block_size.bit_length() - 1
         flags = ((FLAG_POISONED if self.poisoned else 0) | (FLAG_ROTATED if self.rotated else 0)
-                 | self.outliers << OUTLIERS_SHIFT)
+                 | self.outliers << OUTLIERS_SHIFT | (FLAG_AVERAGE if self.average else 0))
         prefix = _PREFIX.pack(MAGIC, VERSION, flags, self.bits, log2,
                               self.numel.to_bytes(6, "little"))
         return prefix + _CHECK.pack(check_value(prefix))
@@ -80,10 +86,12 @@ class Header:
             raise ValueError("check value does not match the header's fields")
         if version != VERSION:
             raise ValueError(f"version {version}, this qcoll reads version {VERSION}")
-        if bits not in fmt.VALID_BITS or not fmt.MIN_BLOCK <= 1 << log2 <= fmt.MAX_BLOCK or flags >> 6 or flags >> OUTLIERS_SHIFT > outliers.MAX_OUTLIERS:
+        reserve = flags >> OUTLIERS_SHIFT & OUTLIERS_MASK
+        if (bits not in fmt.VALID_BITS or not fmt.MIN_BLOCK <= 1 << log2 <= fmt.MAX_BLOCK or flags >> 7
+                or reserve > outliers.MAX_OUTLIERS):
             raise ValueError(f"fields out of range (flags={flags}, bits={bits}, log2(block_size)={log2})")
         return cls(bits, 1 << log2, int.from_bytes(numel, "little"), bool(flags & FLAG_POISONED),
-                   bool(flags & FLAG_ROTATED), flags >> OUTLIERS_SHIFT)
+                   bool(flags & FLAG_ROTATED), reserve, bool(flags & FLAG_AVERAGE))
 
     def poison(self) -> "Header":
         return replace(self, poisoned=True)
@@ -93,7 +101,8 @@ class Header:
         return rows * outliers.packed_nbytes(self.numel, self.bits, self.block_size, self.outliers)
 
     def describe(self) -> str:
-        extra = (", hadamard" if self.rotated else "") + (f", outliers={self.outliers}" if self.outliers else "")
+        extra = ((", hadamard" if self.rotated else "") + (f", outliers={self.outliers}" if self.outliers else "")
+                 + (", op=avg" if self.average else ""))
         return f"bits={self.bits}, block_size={self.block_size}, numel={self.numel}{extra}"
 
 
@@ -194,12 +203,16 @@ def check_unframed(received: torch.Tensor, receipt: Callable[[], Receipt]) -> No
             r.op, r.rank, peer, None, got)
 
 
-_ADVICE = ("Every rank of the group must pass the same sizes, bits and block_size; QCOLL_DEBUG=1 compares "
+_ADVICE = ("Every rank of the group must pass the same sizes, bits, block_size and op; QCOLL_DEBUG=1 compares "
            "all ranks' arguments before communicating.")
 
 
 def _origin(r: Receipt, i: int) -> str:
     return f" ({r.origin(i)})" if r.origin is not None else ""
+
+
+def _op(h: Header) -> str:
+    return "avg" if h.average else "sum"
 
 
 def _mismatch(heads: torch.Tensor, expected: Header, r: Receipt) -> RankMismatchError:
@@ -226,6 +239,8 @@ def _mismatch(heads: torch.Tensor, expected: Header, r: Receipt) -> RankMismatch
             r.op, r.rank, peer, expected, got)
     fields = [f"{f}={getattr(got, f)} (rank {r.rank} has {getattr(expected, f)})"
               for f in ("bits", "block_size", "numel", "rotated", "outliers") if getattr(got, f) != getattr(expected, f)]
+    if got.average != expected.average:
+        fields.append(f"op={_op(got)} (rank {r.rank} has {_op(expected)})")
     sizes = ""
     if got.payload_nbytes(r.rows) != expected.payload_nbytes(r.rows):
         sent, want_n = HEADER_BYTES + got.payload_nbytes(r.rows), HEADER_BYTES + expected.payload_nbytes(r.rows)

@@ -128,8 +128,10 @@ def reduce_scatter_quantized(
     both values, the others name the rank that passed the poison on. Where the
     buffers' sizes differ gloo aborts a rank that receives more bytes than it
     expects, and its peers get the transport's error within the group's timeout.
-    ``bits=None`` (``reduce_scatter_tensor``) is not checked across ranks (only by
-    ``QCOLL_DEBUG=1``); ``op``, ``stochastic`` and ``seed`` only act locally.
+    The frames also carry ``op``: a rank that averages where its peers sum raises like one
+    that passed other ``bits``. ``bits=None`` (``reduce_scatter_tensor``) is not checked
+    across ranks (only by ``QCOLL_DEBUG=1``, which compares ``op`` too); ``stochastic`` and
+    ``seed`` only act locally.
     """
     topology = topology if topology is not None else current_topology()
     if not isinstance(topology, Topology):
@@ -157,7 +159,7 @@ def reduce_scatter_quantized(
         raise ValueError(f"input must have world x output numel = {W} x {S} = {W * S} elements, got {input.numel()}")
     if similarity is not None:
         sim.check_stats(similarity, input.device)
-    validate.debug_check("reduce_scatter", None, S, bits, block_size, input.dtype, input.device)
+    validate.debug_check("reduce_scatter", None, S, bits, block_size, input.dtype, input.device, reduce_op=op)
     if bits is None and similarity is not None:
         return _plain_two_hop(output, input, topology, op == "avg", similarity, async_op)
     if bits is None:
@@ -210,7 +212,7 @@ class _Qgz:
     def _header(self, k: int, hop: int) -> framing.Header:
         a, b = self.chunks[k]
         return framing.Header(self.bits1 if hop == 1 else self.bits2, self.block_size, b - a, rotated=self.rotated,
-                              outliers=self.k)
+                              outliers=self.k, average=self.average)
 
     def _hop1(self, k: int):
         """Reorder and quantize chunk ``k``, send each local peer its N slices; (recv, work)."""

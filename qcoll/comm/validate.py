@@ -18,7 +18,8 @@ from .errors import RankMismatchError
 from .topology import Topology, group_is_live
 
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-_OPS = {"all_gather": 1, "replica_gather": 2, "reduce_scatter": 3}
+_COLLECTIVES = {"all_gather": 1, "replica_gather": 2, "reduce_scatter": 3, "all_reduce": 4}
+_REDUCE_OPS = {None: 0, "sum": 1, "avg": 2}
 
 
 def check_tensor(t, name: str, contiguous: bool = True) -> torch.Tensor:
@@ -78,22 +79,26 @@ def debug_enabled() -> bool:
     return os.environ.get("QCOLL_DEBUG", "0") not in ("", "0", "false", "False")
 
 
-def debug_check(op: str, group, numel: int, bits, block_size: int, dtype: torch.dtype, device=None) -> None:
-    """All ranks of ``group`` agree on the collective's metadata, or all raise."""
+def debug_check(collective: str, group, numel: int, bits, block_size: int, dtype: torch.dtype, device=None,
+                reduce_op: str | None = None) -> None:
+    """All ranks of ``group`` agree on the collective's metadata, or all raise: which ``collective``
+    (``all_gather``, ``replica_gather``, ``reduce_scatter``, ``all_reduce``), the size, bits, block
+    size, dtype and, for the reductions, ``reduce_op`` (``"sum"`` / ``"avg"``; None otherwise)."""
     if not debug_enabled():
         return
     intra, inter = bits if isinstance(bits, (tuple, list)) else (bits, bits)
-    mine = torch.tensor([_OPS[op], numel, intra or 0, inter or 0, block_size, _DTYPE_CODES[dtype]], dtype=torch.int64,
-                        device=device)
+    mine = torch.tensor([_COLLECTIVES[collective], numel, intra or 0, inter or 0, block_size, _DTYPE_CODES[dtype],
+                         _REDUCE_OPS[reduce_op]], dtype=torch.int64, device=device)
     size = dist.get_world_size(group)
     every = torch.empty(size, mine.numel(), dtype=torch.int64, device=device)
     all_gather_flat(every.view(-1), mine, group=group)
     if bool((every == every[0]).all()):
         return
-    fields = ("op", "numel", "bits", "inter_bits", "block_size", "dtype")
+    names = {"collective": {v: k for k, v in _COLLECTIVES.items()}, "dtype": {v: str(k) for k, v in _DTYPE_CODES.items()},
+             "op": {v: str(k) for k, v in _REDUCE_OPS.items()}}
+    fields = ("collective", "numel", "bits", "inter_bits", "block_size", "dtype", "op")
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    rows = ", ".join(
-        f"rank {r}: " + " ".join(f"{f}={int(v)}" for f, v in zip(fields, row)) for r, row in zip(ranks, every.tolist())
-    )
-    raise RankMismatchError(f"qcoll {op}: ranks passed different metadata (QCOLL_DEBUG check): {rows}",
-                            op, dist.get_rank())
+    rows = ", ".join(f"rank {r}: " + " ".join(f"{f}={names.get(f, {}).get(int(v), int(v))}" for f, v in zip(fields, row))
+                     for r, row in zip(ranks, every.tolist()))
+    raise RankMismatchError(f"qcoll {collective}: ranks passed different metadata (QCOLL_DEBUG check): {rows}",
+                            collective, dist.get_rank())
