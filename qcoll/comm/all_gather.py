@@ -135,7 +135,7 @@ class _Flat:
     """One all-gather of every rank's ``wire`` buffer over ``group``."""
 
     def __init__(self, output, wire, header, group, size):
-        self.output, self.wire, self.header, self.size = output, wire, header, size
+        self.output, self.wire, self.header, self.size, self.group = output, wire, header, size, group
         self.nbytes = wire.numel() * wire.element_size()
         self.recv = (output.view(-1) if header is None else
                      framing.receive_buffer(size, wire.numel(), wire.device).view(-1))
@@ -148,7 +148,8 @@ class _Flat:
 
     def complete(self) -> torch.Tensor:
         """Wait; the gathered rows ``[size, ...]`` in group order."""
-        wait_work(self.work, "all_gather", lambda: _sent(self.header, self.output.numel() // self.size, self.nbytes))
+        wait_work(self.work, "all_gather", lambda: _sent(self.header, self.output.numel() // self.size, self.nbytes),
+                  self.group)
         return self.recv.view(self.size, -1)
 
 
@@ -178,7 +179,8 @@ class _NodeByNode:
 
     def _inside(self) -> None:
         t = self.t
-        wait_work(self.work_across, "all_gather (across nodes)", lambda: self._sent("the stage across nodes"))
+        wait_work(self.work_across, "all_gather (across nodes)", lambda: self._sent("the stage across nodes"),
+                  self.t.inter_group)
         self.inside = torch.empty(t.ranks_per_node * self.across.numel(), dtype=self.wire.dtype,
                                   device=self.wire.device)
         stats.add("all_gather", t.intra_group, (t.ranks_per_node - 1) * t.num_nodes * self.nbytes,
@@ -190,7 +192,8 @@ class _NodeByNode:
         ``output`` when unquantized)."""
         if self.work_inside is None:
             self._inside()
-        wait_work(self.work_inside, "all_gather (inside the node)", lambda: self._sent("the stage inside the node"))
+        wait_work(self.work_inside, "all_gather (inside the node)", lambda: self._sent("the stage inside the node"),
+                  self.t.intra_group)
         N, L = self.t.num_nodes, self.t.ranks_per_node
         # inside[l, n] was sent by rank n * L + l: world order is [n, l]
         by_rank = self.inside.view(L, N, -1).transpose(0, 1)

@@ -71,7 +71,8 @@ def all_reduce_quantized(
         return lambda: framing.Receipt(f"all_reduce ({stage})", dist.get_rank(), lambda j: ranks[j])
 
     def complete():
-        wait_work(work, "all_reduce (reduce-scatter)", lambda: f"frames of {frames.shape[1]} bytes ({header.describe()})")
+        wait_work(work, "all_reduce (reduce-scatter)", lambda: f"frames of {frames.shape[1]} bytes ({header.describe()})",
+                  group)
         failure = None
         try:
             got = framing.unframe(recv, header, receipt("reduce-scatter"))
@@ -86,7 +87,8 @@ def all_reduce_quantized(
         gathered = framing.receive_buffer(g, mine.shape[1], tensor.device)
         stats.add("all_gather", group, (g - 1) * mine.numel(), (g - 1) * framing.header_bytes())
         work2 = all_gather_flat(gathered.view(-1), mine.view(-1), group=group, async_op=True)
-        wait_work(work2, "all_reduce (all-gather)", lambda: f"a frame of {mine.numel()} bytes ({header.describe()})")
+        wait_work(work2, "all_reduce (all-gather)", lambda: f"a frame of {mine.numel()} bytes ({header.describe()})",
+                  group)
         if failure is not None:
             raise failure
         payload = framing.unframe(gathered, header, receipt("all-gather"))
@@ -102,7 +104,7 @@ def _plain(tensor, group, g, op, async_op):
     work = dist.all_reduce(tensor, group=group, async_op=True)
 
     def complete():
-        wait_work(work, "all_reduce", lambda: f"an unquantized tensor of {tensor.numel()} elements")
+        wait_work(work, "all_reduce", lambda: f"an unquantized tensor of {tensor.numel()} elements", group)
         if op == "avg":
             tensor.div_(g)
         return tensor

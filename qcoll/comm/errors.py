@@ -19,16 +19,18 @@ class RankMismatchError(ValueError):
         self.expected, self.got = expected, got
 
 
-def add_transport_context(error: BaseException, op: str, rank: int, sent: str) -> BaseException:
+def add_transport_context(error: BaseException, op: str, rank: int, sent: str, peers: str = "") -> BaseException:
     """Note on a transport error (gloo's connection reset, timeout) what this rank was doing.
 
     A peer that passed a larger size makes gloo abort the process that receives it
     ("Received data size doesn't match expected size"); its peers then see the
     connection close. The note names the collective and this rank's frame so the
-    two logs can be matched. Python < 3.11 has no notes: the error is unchanged.
+    two logs can be matched, and ``peers``: which ranks of the group died, where that
+    could be checked (:func:`qcoll.comm.liveness.describe`). Python < 3.11 has no notes:
+    the error is unchanged.
     """
     if hasattr(error, "add_note"):
-        error.add_note(f"qcoll {op} on rank {rank} failed in the transport while sending {sent}. If a peer "
+        error.add_note(f"qcoll {op} on rank {rank} failed in the transport while sending {sent}. {peers} If a peer "
                        f"aborted with \"Received data size doesn't match expected size\", ranks passed different "
                        f"sizes, bits or block sizes (QCOLL_DEBUG=1 compares them before communicating).")
     return error

@@ -7,6 +7,7 @@ import time
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from . import liveness
 from .errors import add_transport_context
 from .stats import stats
 
@@ -79,15 +80,17 @@ def labelled(label: str):
     return wrap
 
 
-def wait_work(work, op: str, sent) -> None:
-    """Wait for a c10d work; a transport error gets a note naming ``op``, this rank and
-    ``sent()`` (a description of what this rank sent, built only on failure). The seconds
-    blocked here count in ``stats.blocked_seconds[op]`` (communication not hidden)."""
+def wait_work(work, op: str, sent, group=None) -> None:
+    """Wait for a c10d work over ``group`` (None: the default group); a transport error gets a
+    note naming ``op``, this rank, ``sent()`` (a description of what this rank sent, built only
+    on failure) and which of the group's ranks are no longer running (:mod:`.liveness`). The
+    seconds blocked here count in ``stats.blocked_seconds[op]`` (communication not hidden)."""
     t0 = time.perf_counter()
     try:
         work.wait()
     except RuntimeError as e:
-        add_transport_context(e, op, dist.get_rank(), sent())
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        add_transport_context(e, op, dist.get_rank(), sent(), liveness.describe(ranks))
         raise
     finally:
         stats.add_blocked(op, time.perf_counter() - t0)

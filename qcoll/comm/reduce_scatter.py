@@ -227,7 +227,8 @@ class _Qgz:
         """The checked payload of a hop's frames in ``shape``, or None (recorded) when they disagree."""
         name = "reduce_scatter (intra-node hop)" if hop == 1 else "reduce_scatter (inter-node hop)"
         header = self._header(k, hop)
-        wait_work(work, name, lambda: f"frames of {recv.shape[1]} bytes ({header.describe()})")
+        wait_work(work, name, lambda: f"frames of {recv.shape[1]} bytes ({header.describe()})",
+                  self.t.intra_group if hop == 1 else self.t.inter_group)
         try:
             return framing.unframe(recv, header, self.receipt1 if hop == 1 else self.receipt2).view(*shape)
         except RankMismatchError as e:

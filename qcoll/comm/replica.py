@@ -104,8 +104,8 @@ def replica_gather(output: torch.Tensor, secondary: SecondaryShard, async_op: bo
     work = all_gather_flat(recv.view(-1), mine, group=t.intra_group, async_op=True)
 
     def complete():
-        wait_work(work, "replica_gather", lambda: f"{t.num_nodes} kept shards of {mine.numel() // t.num_nodes} "
-                                                  f"bytes each ({header.describe() if header else 'unquantized'})")
+        wait_work(work, "replica_gather", lambda: f"{t.num_nodes} kept shards of {mine.numel() // t.num_nodes} bytes "
+                  f"each ({header.describe() if header else 'unquantized'})", t.intra_group)
         if header is None:
             framing.check_unframed(output.view(torch.uint8).view(W, -1), lambda: _receipt(t))
         else:

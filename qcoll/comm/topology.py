@@ -2,14 +2,20 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 
 import torch
 import torch.distributed as dist
 
 from ..checks import check_int
+from . import liveness
+from .agreement import Agreement
 
 _current: "Topology | None" = None
+_AGREEMENT = Agreement("qcoll.Topology")
+#: how long a Topology waits for every rank to reach it, at most (the group's timeout when shorter)
+AGREE_TIMEOUT = datetime.timedelta(seconds=60)
 
 
 def _default_timeout() -> datetime.timedelta:
@@ -35,16 +41,25 @@ class Topology:
     comes from ``LOCAL_WORLD_SIZE`` (torchrun) and otherwise treats the world as
     one node. Global rank ``r`` is local rank ``r % L`` of node ``r // L``.
     ``torch.distributed`` must be initialized; every rank must construct the
-    topology (it creates process groups collectively).
+    topology (it creates process groups collectively), with the same ``ranks_per_node``:
+    before any group is made the ranks compare it through the default group's store, and
+    ranks that differ raise a ``ValueError`` on every rank naming them (instead of hanging
+    in ``new_group`` for the group's timeout). ``timeout`` (a ``datetime.timedelta``;
+    default 60 s, or the group's timeout when shorter): how long a rank waits for the
+    others to reach the constructor; a ``RuntimeError`` names the ranks that did not.
     """
 
-    def __init__(self, ranks_per_node: int | None = None):
+    def __init__(self, ranks_per_node: int | None = None, timeout: datetime.timedelta | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("qcoll.Topology needs torch.distributed to be initialized first")
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         if ranks_per_node is None:
             ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        if timeout is not None and not (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0):
+            raise TypeError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
+        # agreed first, checked after: a value only some ranks refuse must not leave the others waiting
+        _agree(ranks_per_node, timeout or min(AGREE_TIMEOUT, _default_timeout()))
         check_int(ranks_per_node, "ranks_per_node", minimum=1)
         if self.world_size % ranks_per_node:
             raise ValueError(
@@ -70,11 +85,11 @@ class Topology:
                            f"init_process_group and use it instead")
 
     @classmethod
-    def from_env(cls) -> "Topology":
+    def from_env(cls, timeout: datetime.timedelta | None = None) -> "Topology":
         """Nodes of ``LOCAL_WORLD_SIZE`` ranks, as torchrun sets it."""
         if "LOCAL_WORLD_SIZE" not in os.environ:
             raise RuntimeError("LOCAL_WORLD_SIZE is not set (it is set by torchrun)")
-        return cls(int(os.environ["LOCAL_WORLD_SIZE"]))
+        return cls(int(os.environ["LOCAL_WORLD_SIZE"]), timeout)
 
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
@@ -82,6 +97,22 @@ class Topology:
     def __repr__(self) -> str:
         return (f"Topology(world={self.world_size}, nodes={self.num_nodes}, ranks_per_node={self.ranks_per_node}, "
                 f"rank={self.rank}, node={self.node}, local_rank={self.local_rank})")
+
+
+def _agree(ranks_per_node, timeout: datetime.timedelta) -> None:
+    """Every rank passed the same ``ranks_per_node`` (else a ValueError on every rank naming the
+    ranks that differ); each rank's host and pid are kept for :mod:`qcoll.comm.liveness`."""
+    every = _AGREEMENT.exchange(json.dumps({"ranks_per_node": repr(ranks_per_node), **liveness.me()}), timeout,
+                                "Every rank must construct the same qcoll.Topology, in the same order.")
+    every = {r: json.loads(v) for r, v in every.items()}
+    liveness.record(every)
+    by_value: dict = {}
+    for r, v in every.items():
+        by_value.setdefault(v["ranks_per_node"], []).append(r)
+    if len(by_value) > 1:
+        sides = "; ".join(f"ranks {ranks} passed ranks_per_node={value}" for value, ranks in by_value.items())
+        raise ValueError(f"qcoll.Topology: the ranks passed different ranks_per_node ({sides}); every rank must "
+                         f"pass the same (LOCAL_WORLD_SIZE, set by torchrun, when None). No process group was made")
 
 
 #: (the world group, ranks per node) -> (intra-node group, inter-node group) of this rank. Every

@@ -195,7 +195,7 @@ class QuantizedReduceScatter(_Allocate, ReduceScatter):
             size = len(group_ranks(group))
             stats.add("reduce_scatter", group, input_tensor.numel() * input_tensor.element_size() * (size - 1) // size)
             work = reduce_scatter_flat(output_tensor, input_tensor, op=op, group=group, async_op=True)
-            wait_work(work, "reduce_scatter", lambda: f"an unquantized input of {input_tensor.numel()} elements")
+            wait_work(work, "reduce_scatter", lambda: f"an unquantized input of {input_tensor.numel()} elements", group)
             return None
         if not is_world(group, self.topology):
             raise ValueError(f"qgZ reduces over the whole world; FSDP2 reduced over ranks {group_ranks(group)}, "

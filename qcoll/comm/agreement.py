@@ -1,0 +1,57 @@
+"""Every rank says what it is about to do, through the default group's store, before anything
+collective happens: no collective is issued, so nothing can pair up with another call's.
+
+A call that every rank must make with the same arguments (building a :class:`~qcoll.Topology`,
+``quantize_comm``) writes a text under ``qcoll/<name>/<n>/<rank>`` (``n``: the how-manieth call
+of that name on this rank) and reads every rank's. Ranks that disagree then learn it at once, and
+all of them, where the mismatched collectives they would otherwise issue hang until the group's
+timeout (``new_group`` with other members, for one: 30 minutes by torch's default).
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_store
+
+
+class Agreement:
+    """The store exchange of one kind of call, ``name`` (a key prefix, and the word errors use)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._calls = itertools.count()
+
+    def skip(self) -> None:
+        """Count a call this rank does not make (tests that keep the ranks' counts equal)."""
+        next(self._calls)
+
+    def exchange(self, value: str, timeout: datetime.timedelta | None = None, missing_hint: str = "") -> dict:
+        """Write ``value`` for this rank and wait (up to ``timeout``, default the store's) for every
+        rank's; returns ``{rank: value}``. A ``RuntimeError`` names the ranks that did not write within
+        ``timeout`` (``missing_hint`` is appended: what those ranks should have done)."""
+        store = _get_default_store()
+        n, rank, world = next(self._calls), dist.get_rank(), dist.get_world_size()
+        keys = [f"qcoll/{self.name}/{n}/{r}" for r in range(world)]
+        store.set(keys[rank], value)
+        try:
+            store.wait(keys) if timeout is None else store.wait(keys, timeout)
+        except RuntimeError:
+            missing = [r for r in range(world) if not store.check([keys[r]])]
+            raise RuntimeError(f"{self.name} (call {n} on rank {rank}): ranks {missing} did not call it within "
+                               f"{timeout or store.timeout}. {missing_hint}".rstrip()) from None
+        return {r: v.decode() for r, v in enumerate(store.multi_get(keys))}
+
+    def same(self, value: str, timeout: datetime.timedelta | None = None, missing_hint: str = "",
+             what: str = "other arguments") -> dict:
+        """:meth:`exchange`, then a ``ValueError`` on every rank when any rank's value differs from
+        rank 0's, naming the ranks on each side and both values; returns ``{rank: value}``."""
+        every = self.exchange(value, timeout, missing_hint)
+        first = every[0]
+        differ = sorted(r for r, v in every.items() if v != first)
+        if differ:
+            agree = sorted(r for r, v in every.items() if v == first)
+            raise ValueError(f"{self.name}: ranks {differ} passed {what} than rank 0: ranks {agree} have {first}; "
+                             f"rank {differ[0]} has {every[differ[0]]}")
+        return every
