@@ -19,7 +19,11 @@ def create_temp(folder: str, prefix: str, suffix: str = "") -> tuple[int, str]:
             continue
 
 
-def write_atomic(path: str, write: Callable[[BinaryIO], object], prefix: str, suffix: str = "") -> None:
+TEMP_PREFIX, TEMP_SUFFIX = ".qcoll-", ".tmp"   # the default temporary name: .qcoll-<random>.tmp
+
+
+def write_atomic(path: str, write: Callable[[BinaryIO], object], prefix: str = TEMP_PREFIX,
+                 suffix: str = TEMP_SUFFIX) -> None:
     """Call ``write`` on a new binary file (:func:`create_temp` in ``path``'s folder), then rename it onto
     ``path``. An interrupted write never leaves half a file at ``path`` (the temporary file is removed
     when ``write`` or the rename raises), and a symlink at ``path`` is replaced, never followed:

@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from qcoll import tune
+from qcoll import files, tune
 from qcoll.bench import cli
 from qcoll.bench import tune as tune_cmd
 
@@ -145,7 +145,7 @@ def test_write_atomic_keeps_the_old_file_when_the_writer_fails(tmp_path):
         raise RuntimeError("interrupted")
 
     with pytest.raises(RuntimeError, match="interrupted"):
-        cli.write_atomic(str(path), fail)
+        files.write_atomic(str(path), fail)
     assert path.read_text() == "old" and os.listdir(tmp_path) == ["out.json"]
 
 

@@ -23,12 +23,9 @@ import importlib
 import json
 import os
 import sys
-from typing import BinaryIO, Callable
 
 from .. import files
 from ..checks import int_option
-
-_TEMP_PREFIX = ".qcoll-bench-"  # temporary files of write_atomic: .qcoll-bench-<random>.tmp
 
 SUBCOMMANDS = ("collectives", "train", "cluster", "tune", "generate", "rlhf", "serve")
 
@@ -102,7 +99,7 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 
 def check_output(parser: argparse.ArgumentParser, option: str, path: str | None) -> None:
-    """``parser.error`` (a one-line message naming ``option`` and ``path``) unless :func:`write_atomic` can
+    """``parser.error`` (a one-line message naming ``option`` and ``path``) unless :func:`qcoll.files.write_atomic` can
     write ``path``: its folder exists and takes a new file (tried: a temporary file is created and removed),
     and ``path`` is not a folder. A symlink at ``path`` is fine: it is replaced, never followed. Nothing
     is left behind; ``path`` itself is not touched."""
@@ -115,7 +112,7 @@ def check_output(parser: argparse.ArgumentParser, option: str, path: str | None)
     if os.path.isdir(path) and not os.path.islink(path):
         parser.error(f"{option} {path}: is a folder, not a file")
     try:
-        fd, tmp = files.create_temp(folder, _TEMP_PREFIX, ".tmp")
+        fd, tmp = files.create_temp(folder, files.TEMP_PREFIX, files.TEMP_SUFFIX)
     except OSError as e:
         parser.error(f"{option} {path}: cannot create a file in folder {folder} ({e.strerror or e})")
     os.close(fd)
@@ -123,15 +120,9 @@ def check_output(parser: argparse.ArgumentParser, option: str, path: str | None)
 
 
 def write_json(path: str, doc: dict) -> None:
-    """Write ``doc`` as indented JSON to ``path`` through :func:`write_atomic`."""
-    write_atomic(path, lambda f: f.write((json.dumps(doc, indent=1) + "\n").encode()))
-
-
-def write_atomic(path: str, write: Callable[[BinaryIO], object]) -> None:
-    """Call ``write`` on a new binary file in ``path``'s folder (``.qcoll-bench-<random>.tmp``), then rename
-    that file onto ``path`` (:func:`qcoll.files.write_atomic`): an interrupted run never leaves half a file
-    at ``path``, and a symlink at ``path`` is replaced by the new file, never followed."""
-    files.write_atomic(path, write, prefix=_TEMP_PREFIX, suffix=".tmp")
+    """Write ``doc`` as indented JSON to ``path`` through :func:`qcoll.files.write_atomic` (an interrupted
+    run never leaves half a file at ``path``; a symlink there is replaced, never followed)."""
+    files.write_atomic(path, lambda f: f.write((json.dumps(doc, indent=1) + "\n").encode()))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from .. import files
+
 INSTALL_HINT = "pip install 'qcoll[plot]'"
 
 
@@ -58,8 +60,6 @@ def bandwidth(rows: list[dict], path: str, title: str = "", y: str = "algbw_GBs"
 
 def save_figure(fig, path: str) -> None:
     """Write ``fig`` to ``path`` (its extension the format) atomically, replacing, never following,
-    a symlink planted at ``path`` (:func:`qcoll.bench.cli.write_atomic`)."""
-    from .cli import write_atomic
-
+    a symlink planted at ``path`` (:func:`qcoll.files.write_atomic`)."""
     fmt = os.path.splitext(path)[1].lstrip(".").lower()
-    write_atomic(path, lambda f: fig.savefig(f, format=fmt, dpi=120))
+    files.write_atomic(path, lambda f: fig.savefig(f, format=fmt, dpi=120))
