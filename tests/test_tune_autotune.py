@@ -209,3 +209,66 @@ def _reconfigure_rules(rank, world):
 @pytest.mark.slow
 def test_reconfigure_refuses_what_the_layout_fixed_and_busy_models(ranks4):
     assert all(r["exact"] for r in ranks4.run(_reconfigure_rules, timeout=TIMEOUT))
+
+
+def _policy_state():
+    """A policy's state after a few windows (4 configurations measured, one window under way)."""
+    from qcoll.tune import OnlinePolicy, RandomSearch
+
+    space = Space([Knob("a", (0, 1, 2)), Knob("b", (0, 1))])
+    policy = OnlinePolicy(RandomSearch(space, seed=2), (0, 0), window=2, explore=4)
+    due = policy.due()
+    for t in (1.0, 1.1, 2.0, 2.1, 0.5, 0.6, 3.0, 3.1, 0.7, 0.5, 0.9):   # as AutoTune.update drives it
+        policy.observe(t)
+        due -= 1
+        if due == 0:
+            policy.decide()
+            due = policy.due()
+    state = policy.state_dict()
+    assert state["trials"] and state["samples"] and state["times"] and state["trials"][0][2]
+    return space, state
+
+
+def _edit(state, path, value):
+    *head, last = path
+    for k in head:
+        state = state[k]
+    if value is _DROP:
+        del state[last]
+    else:
+        state[last] = value
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize("path, value, needle", [
+    (("trials",), _DROP, "no 'trials'"),
+    (("current",), [1.0, 0.0], "current must be a list of 2 ints"),
+    (("current",), [7, 0], r"current: \(7, 0\) is not a configuration"),
+    (("trials", 0, 0), [0, True], r"trials\[0\] point must be a list of 2 ints"),
+    (("trials", 0, 1), float("nan"), r"trials\[0\] cost must be a finite number >= 0"),
+    (("trials", 0, 1), None, r"trials\[0\]: a feasible trial needs a cost"),
+    (("trials", 0, 2), "yes", r"trials\[0\] feasible must be a bool"),
+    (("samples", 0, 1), [], r"samples\[0\]: no window costs"),
+    (("times",), [-1.0], "times must be a finite number >= 0"),
+    (("first",), 99, "first must be"),
+    (("phase",), "sleep", "phase must be one of"),
+    (("explorations",), 0, "explorations must be"),
+])
+def test_policy_state_fields_are_checked_before_anything_changes(path, value, needle):
+    import copy
+
+    from qcoll.tune import OnlinePolicy, RandomSearch
+
+    space, state = _policy_state()
+    fresh = OnlinePolicy(RandomSearch(space, seed=2), (0, 0), window=2, explore=4)
+    fresh.load_state_dict(copy.deepcopy(state))           # the state as saved loads
+    assert fresh.state_dict() == state
+    bad = copy.deepcopy(state)
+    _edit(bad, path, value)
+    target = OnlinePolicy(RandomSearch(space, seed=2), (0, 0), window=2, explore=4)
+    before = target.state_dict()
+    with pytest.raises(ValueError, match=needle):
+        target.load_state_dict(bad)
+    assert target.state_dict() == before

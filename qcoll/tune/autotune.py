@@ -24,6 +24,7 @@ and never run.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -32,10 +33,11 @@ import torch.distributed as dist
 
 from ..checks import check_int
 from ..comm.stats import stats
-from ..zero.reconfigure import layout_allows, reconfigure, with_knobs
+from ..zero.load_checks import agreed
+from ..zero.reconfigure import FIXED_FIELDS, layout_allows, reconfigure, with_knobs
 from ..zero.state import state_of
 from .live_error import relative_errors
-from .online_policy import OnlinePolicy
+from .online_policy import OnlinePolicy, point_of
 from .space import Space, config_label, online_space
 from .tuners import TUNERS
 
@@ -220,27 +222,100 @@ class AutoTune:
         return _broadcast_json(doc)
 
     def load_state_dict(self, doc: dict) -> None:
-        """Restore :meth:`state_dict` (every rank, the same ``doc``, between steps): the configuration
-        it ran is switched to, and rank 0's policy goes on from the saved measurements (a resumed run
-        does not explore from scratch). ``ValueError`` when ``doc`` is not one, or was saved with
-        another tuner or space."""
+        """Restore :meth:`state_dict` (every rank, the same ``doc``, between steps; a collective): the
+        configuration it ran is switched to, and rank 0's policy goes on from the saved
+        measurements (a resumed run does not explore from scratch).
+
+        :meth:`check_state_dict` on every rank first, then the ranks agree
+        (:func:`qcoll.zero.load_checks.agreed`), then :meth:`apply_checked`: a ``doc`` that fails
+        any check on any rank raises the same ``ValueError`` (naming the field) on every rank and
+        changes nothing on any."""
+        self.apply_checked(agreed(self.check_state_dict, doc))
+
+    def check_state_dict(self, doc: dict) -> "CheckedState":
+        """``doc`` checked, nothing changed (this rank alone: no collectives); ``ValueError`` naming
+        the field when it is not a :meth:`state_dict` of this AutoTune's tuner and space.
+
+        Every field is checked on every rank, rank 0's policy included: a policy is built (as in
+        ``__init__``) and the saved ``policy`` loaded into it (:meth:`OnlinePolicy.load_state_dict`);
+        ``point`` must be a list of ints, a point of the space, and the policy's current
+        configuration (AutoTune runs what the policy chose); ``steps`` and ``switches`` ints >= 0. ``next`` (steps until the next
+        decision) is bounded by the restored policy itself: AutoTune sets it to ``policy.due()`` at
+        each decision, and each step adds one time to the policy's window and takes one off
+        ``next``, so between steps ``next == policy.due()`` (at most ``window``). A larger value
+        would hold the policy's decision back (``10**30``: the tuner never decides again) and is
+        refused; a smaller one (>= 1) is accepted: it only brings the decision forward (a resume
+        with a larger ``window``). Pass the result to :meth:`apply_checked`."""
         if not isinstance(doc, dict) or doc.get("version") != 1:
             raise ValueError("not an AutoTune state (version 1)")
-        if doc.get("tuner") != self.tuner_name or doc.get("space") != self._space_doc():
-            raise ValueError(f"the AutoTune state was saved with tuner {doc.get('tuner')!r} and space "
-                             f"{doc.get('space')}; this AutoTune has {self.tuner_name!r} and {self._space_doc()}")
-        point = self.space.check(doc["point"])
-        self._next = check_int(doc["next"], "next", minimum=1)
-        self.steps, self.switches = check_int(doc["steps"], "steps"), check_int(doc["switches"], "switches")
-        if self.rank == 0:
-            self.policy = OnlinePolicy(TUNERS[self.tuner_name](self.space, seed=self.seed), point,
-                                       feasible=self._feasible, **self._settings)
-            self.policy.load_state_dict(doc["policy"])
-        if point != self.point:
-            reconfigure(self.model, self._config_of(point))
-            self.point = point
+        missing = [k for k in _STATE_FIELDS if k not in doc]
+        unknown = [k for k in doc if k not in _STATE_FIELDS]
+        if missing or unknown:
+            raise ValueError(f"the AutoTune state {'lacks ' + ', '.join(map(repr, missing)) if missing else ''}"
+                             f"{' and ' if missing and unknown else ''}"
+                             f"{'has unknown fields ' + ', '.join(map(repr, unknown)) if unknown else ''}")
+        if doc["tuner"] != self.tuner_name or doc["space"] != self._space_doc():
+            raise ValueError(f"the AutoTune state was saved with tuner {doc['tuner']!r:.40} and space "
+                             f"{doc['space']!r:.400}; this AutoTune has {self.tuner_name!r} and {self._space_doc()}")
+        point = point_of(self.space, doc["point"], "the AutoTune state's 'point'")
+        steps = check_int(doc["steps"], "the AutoTune state's 'steps'", minimum=0)
+        switches = check_int(doc["switches"], "the AutoTune state's 'switches'", minimum=0)
+        if not isinstance(doc["policy"], dict):
+            raise ValueError(f"the AutoTune state's 'policy' must be a dict, got {type(doc['policy']).__name__}")
+        policy = OnlinePolicy(TUNERS[self.tuner_name](self.space, seed=self.seed), point, feasible=self._feasible,
+                              **self._settings)
+        try:
+            policy.load_state_dict(doc["policy"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"the AutoTune state's 'policy': {e}") from e
+        if policy.current != point:
+            raise ValueError(f"the AutoTune state's 'point' {list(point)} is not its policy's current configuration "
+                             f"{list(policy.current)}")
+        due = policy.due()
+        nxt = check_int(doc["next"], "the AutoTune state's 'next'", minimum=1)
+        if nxt > due:
+            raise ValueError(f"the AutoTune state's 'next' must be at most {due} (the restored policy's next decision "
+                             f"is due in {due} step(s); window={policy.window}), got {nxt!r:.40}")
+        config = self._config_of(point)
+        if not layout_allows(self.model, config):
+            raise ValueError(f"the AutoTune state's 'point' {list(point)} needs quantized weights on a layout "
+                             "without them")
+        current = state_of(self.model)
+        config.check_topology(current.topology)
+        for name in FIXED_FIELDS:  # (what reconfigure refuses; a space with such a knob)
+            if getattr(config, name) != getattr(current.config, name):
+                raise ValueError(f"the AutoTune state's 'point' {list(point)} changes {name}, fixed at shard()")
+        return CheckedState(self, point, nxt, steps, switches, policy)
+
+    def apply_checked(self, checked: "CheckedState") -> None:
+        """Restore a state :meth:`check_state_dict` returned (on every rank, once every rank's
+        check passed): switch to its configuration (:func:`qcoll.zero.reconfigure`), then take its
+        counters and (rank 0) its policy."""
+        if not isinstance(checked, CheckedState) or checked.owner is not self:
+            raise TypeError("apply_checked takes what this AutoTune's check_state_dict returned")
+        if checked.point != self.point:
+            reconfigure(self.model, self._config_of(checked.point))
+            self.point = checked.point
+        self._next, self.steps, self.switches = checked.next, checked.steps, checked.switches
+        self.policy = checked.policy if self.rank == 0 else None
         self._last = None
         self._errors = {}
+
+
+#: the fields of :meth:`AutoTune.state_dict`
+_STATE_FIELDS = ("version", "tuner", "seed", "space", "point", "next", "steps", "switches", "policy")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CheckedState:
+    """An AutoTune state checked by :meth:`AutoTune.check_state_dict`, for :meth:`AutoTune.apply_checked`."""
+
+    owner: AutoTune
+    point: tuple
+    next: int
+    steps: int
+    switches: int
+    policy: OnlinePolicy
 
 
 def _broadcast_json(doc):

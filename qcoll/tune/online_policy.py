@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 import math
 import statistics
+import sys
 
 from ..checks import check_int
 from .tuners import Trial, Tuner
@@ -237,28 +238,86 @@ class OnlinePolicy:
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` into a policy over a fresh tuner of the same kind and space:
         the tuner is told the saved measurements again (its restarts replayed), so it goes on
-        where it stopped instead of exploring from scratch."""
+        where it stopped instead of exploring from scratch. Every field is checked before anything
+        changes: a ``ValueError`` naming the field for anything :meth:`state_dict` could not have
+        written (a missing field, a point that is not a list of the space's indices, a non-finite
+        or negative cost or step time, a feasible trial without a cost, an empty list of window
+        costs); ``TypeError`` when ``state`` is not a dict."""
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict, got {type(state).__name__}")
-        try:
-            trials = [Trial(self.space.check(p), math.inf if c is None else float(c), bool(f))
-                      for p, c, f in state["trials"]]
-            samples = {self.space.check(p): [float(c) for c in v] for p, v in state["samples"]}
-            current = self.space.check(state["current"])
-            phase = Phase(state["phase"])
-            restarts = check_int(state["restarts"], "restarts", minimum=0)
-            first = check_int(state["first"], "first", minimum=0)
-            budget = check_int(state["budget"], "budget", minimum=1)
-            times = [float(t) for t in state["times"]]
-            counts = [check_int(state[k], k, minimum=0) for k in ("strikes", "explorations", "aborted")]
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"not an OnlinePolicy state: {e}") from e
+        missing = [k for k in _STATE_FIELDS if k not in state]
+        if missing:
+            raise ValueError(f"not an OnlinePolicy state: no {', '.join(map(repr, missing))}")
+        trials = [self._trial(t, f"trials[{i}]") for i, t in enumerate(_list(state["trials"], "trials"))]
+        samples = {}
+        for i, entry in enumerate(_list(state["samples"], "samples")):
+            if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+                raise ValueError(f"samples[{i}] must be [point, window costs], got {entry!r:.80}")
+            p = point_of(self.space, entry[0], f"samples[{i}] point")
+            costs = [_seconds(c, f"samples[{i}] cost") for c in _list(entry[1], f"samples[{i}] costs")]
+            if not costs or p in samples:
+                raise ValueError(f"samples[{i}]: {'no window costs' if not costs else 'a point listed twice'}")
+            samples[p] = costs
+        current = point_of(self.space, state["current"], "current")
+        if state["phase"] not in [p.value for p in Phase]:
+            raise ValueError(f"phase must be one of {[p.value for p in Phase]}, got {state['phase']!r:.80}")
+        restarts = check_int(state["restarts"], "restarts", minimum=0)
+        first = check_int(state["first"], "first", minimum=0, maximum=len(trials))
+        budget = check_int(state["budget"], "budget", minimum=1)
+        times = [_seconds(t, "times") for t in _list(state["times"], "times")]
+        counts = [check_int(state[k], k, minimum=m) for k, m in (("strikes", 0), ("explorations", 1), ("aborted", 0))]
         self.tuner.restarts = restarts - 1 if restarts else 0
         if restarts:
             self.tuner.restart(trials)
         else:
             for t in trials:
                 self.tuner.tell(t.point, t.cost, t.feasible)
-        self.current, self.phase, self.first, self.budget = current, phase, first, budget
+        self.current, self.phase, self.first, self.budget = current, Phase(state["phase"]), first, budget
         self.samples, self.times = samples, times
         self.strikes, self.explorations, self.aborted = counts
+
+    def _trial(self, entry, name: str) -> Trial:
+        if not isinstance(entry, (list, tuple)) or len(entry) != 3:
+            raise ValueError(f"{name} must be [point, cost, feasible], got {entry!r:.80}")
+        point, cost, feasible = entry
+        if not isinstance(feasible, bool):
+            raise ValueError(f"{name} feasible must be a bool, got {feasible!r:.80}")
+        if cost is None and feasible:
+            raise ValueError(f"{name}: a feasible trial needs a cost, got None")
+        return Trial(point_of(self.space, point, f"{name} point"), math.inf if cost is None else
+                     _seconds(cost, f"{name} cost"), feasible)
+
+
+#: the fields of :meth:`OnlinePolicy.state_dict`
+_STATE_FIELDS = ("current", "phase", "times", "first", "budget", "strikes", "explorations", "aborted", "restarts",
+                 "samples", "trials")
+
+
+def point_of(space, value, name: str) -> tuple:
+    """``value`` (a saved configuration) as a point of ``space``: a list of ints (not bools), one
+    per knob, each an index of its knob's values; else ``ValueError`` naming ``name``."""
+    if (not isinstance(value, (list, tuple)) or len(value) != len(space.knobs)
+            or any(isinstance(i, bool) or not isinstance(i, int) for i in value)):
+        raise ValueError(f"{name} must be a list of {len(space.knobs)} ints (indices of the knobs' values), "
+                         f"got {value!r:.80}")
+    try:
+        return space.check(value)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
+def _list(value, name: str) -> list:
+    if not isinstance(value, list):
+        raise ValueError(f"{name} must be a list, got {type(value).__name__}")
+    return value
+
+
+def _seconds(value, name: str) -> float:
+    """A saved step time or cost: a finite number >= 0."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and 0 <= value <= _MAX
+    if not ok:   # (NaN fails the comparison; an int too large for a float is refused before float())
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r:.80}")
+    return float(value)
+
+
+_MAX = sys.float_info.max

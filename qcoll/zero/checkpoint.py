@@ -19,7 +19,9 @@ No code from a checkpoint directory runs on :func:`load` (:mod:`qcoll.zero.check
 are JSON text in uint8 tensors), and tensors are read with ``torch.load(weights_only=True)``.
 A load is strict: a checkpoint whose keys, sizes, parameter names or shapes differ from the
 model's (and optimizer's) raises a ValueError listing the differences, on every rank, before any
-tensor is changed. A DCP failure on some rank raises one exception naming that rank's error.
+tensor is changed; so do optimizer hyper-parameters the optimizer would not accept and a damaged
+AutoTune state (:mod:`qcoll.zero.load_checks`: checked on every rank, and the ranks agree). A DCP
+failure on some rank raises one exception naming that rank's error.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from . import atomic_dir
 from .checkpoint_safety import (SafeReader, decode_param_groups, differences, encode_param_groups, from_json_tensor,
                                 json_tensor, layout_differences, read_metadata, summarize)
 from .checkpoint_safety import upgrade_checkpoint  # noqa: F401  (the earlier format's converter)
+from .load_checks import agreed, check_param_groups
 from .rank0 import on_rank0
 from .state import state_of
 from .optimizer import Optimizer
@@ -138,7 +141,7 @@ def _check(model, optimizer, adaptive=None, autotune=None):
 
     state_of(model)  # a TypeError unless qcoll.zero.shard(...) sharded it
     if autotune is not None and (getattr(autotune, "model", None) is not model
-                                 or not callable(getattr(autotune, "load_state_dict", None))):
+                                 or not callable(getattr(autotune, "check_state_dict", None))):
         raise TypeError("autotune must be the qcoll.tune.AutoTune of this model")
     if adaptive is not None and (not isinstance(adaptive, AdaptiveBatch) or adaptive.optimizer is not optimizer):
         raise TypeError("adaptive must be the qcoll.zero.AdaptiveBatch of this optimizer")
@@ -223,9 +226,13 @@ def load(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
     the global or key; a checkpoint of the earlier format (pickled hyper-parameters) is refused
     likewise, with the converter to run (:func:`upgrade_checkpoint`). Strict: missing or unexpected
     keys, size mismatches, and (in checkpoints that record them) other parameter names or shapes
-    in a group raise a ValueError listing them before any tensor is changed. A failure while
-    reading (a truncated or missing data file) raises a ``CheckpointError`` or ``CheckpointOSError``
-    naming the rank and the file; the model may then be partly loaded: load again. ``adaptive`` and
+    in a group raise a ValueError listing them before any tensor is changed; so do hyper-parameters
+    the optimizer would not accept (an unknown key, a value of another type, a non-finite number, one
+    the optimizer class refuses: :func:`~qcoll.zero.load_checks.check_param_groups`) and a damaged
+    ``autotune`` state (``AutoTune.check_state_dict``), naming the key or field, the same error on
+    every rank. A failure while reading (a truncated or missing data file) raises a
+    ``CheckpointError`` or ``CheckpointOSError`` naming the rank and the file; the model may then be
+    partly loaded: load again. ``adaptive`` and
     ``autotune`` (as in :func:`save`) are restored when given; the checkpoint must hold them."""
     _check(model, optimizer, adaptive, autotune)
     path = atomic_dir.checkpoint_path(checkpoint_dir)
@@ -239,7 +246,7 @@ def load(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
             state["optim"] = _optimizer_state(optimizer, scaler="optim.loss_scaler" in md.state_dict_metadata)
         if adaptive is not None:
             state["adaptive"] = _adaptive_state(adaptive)
-        hparams, tuned = _compare(path, md, state, model, optimizer, adaptive, autotune)
+        hparams, tuned = _compare(path, md, state, model, optimizer, adaptive, autotune)  # tuned: checked
         _dcp_load(state, path, md)
     except BaseException:
         if created:  # the optimizer is left as it was: without state
@@ -263,7 +270,7 @@ def load(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
     if adaptive is not None:
         _restore_adaptive(adaptive, state["adaptive"])
     if autotune is not None:
-        autotune.load_state_dict(tuned)
+        autotune.apply_checked(tuned)
 
 
 def _dcp_load(state: dict, path: str, md) -> None:
@@ -288,8 +295,9 @@ _JSON_LIMIT = 1 << 26  # bytes: the JSON entries are a few KiB; a crafted size m
 
 def _compare(path: str, md, state: dict, model, optimizer, adaptive, autotune=None) -> tuple:
     """The ValueError listing every difference between the checkpoint and ``state`` (keys, sizes) and
-    the model's layout; else ``(the checkpoint's optimizer hyper-parameters, its AutoTune state)``
-    (each None when not asked for)."""
+    the model's layout, or naming a bad hyper-parameter or AutoTune field, on every rank; else
+    ``(the checkpoint's optimizer hyper-parameters, its AutoTune state checked)`` (each None when
+    not asked for)."""
     expected = _flat_sizes(state)
     if optimizer is not None:
         expected["optim.param_groups"] = None
@@ -310,21 +318,38 @@ def _compare(path: str, md, state: dict, model, optimizer, adaptive, autotune=No
             small[key] = torch.empty(size, dtype=torch.uint8)
     if small:
         _dcp_load(small, path, md)
-    hparams = None
+    return agreed(_checked_entries, path, small, diffs, model, optimizer, autotune)
+
+
+def _checked_entries(path: str, small: dict, diffs: list, model, optimizer, autotune) -> tuple:
+    """:func:`_compare` once its JSON entries are read (this rank's part: local, no collectives; the
+    ranks agree on the outcome): the differences raised, else the optimizer hyper-parameters
+    (:func:`~qcoll.zero.load_checks.check_param_groups`) and the AutoTune state
+    (``AutoTune.check_state_dict``) checked, before any tensor is changed."""
+    hparams = checked = None
     if "model.layout" in small:
         saved = from_json_tensor(small["model.layout"], f"{path}: model.layout")
-        diffs += layout_differences(saved, _layout(model))
+        diffs = diffs + layout_differences(saved, _layout(model))
     if "optim.param_groups" in small:
         hparams = decode_param_groups(small["optim.param_groups"], f"{path}: optim.param_groups")
         if len(hparams) != len(optimizer.optimizer.param_groups):
-            diffs.append(f"optimizer param groups: {len(hparams)} in the checkpoint, "
-                         f"{len(optimizer.optimizer.param_groups)} in the optimizer")
+            diffs = diffs + [f"optimizer param groups: {len(hparams)} in the checkpoint, "
+                             f"{len(optimizer.optimizer.param_groups)} in the optimizer"]
     if diffs:
         raise ValueError(f"qcoll.zero.load: checkpoint {path!r} does not match the "
                          f"{'model and optimizer' if optimizer is not None else 'model'} ({len(diffs)} "
                          "difference(s)); nothing was loaded:\n  " + "\n  ".join(diffs))
-    tuned = from_json_tensor(small["autotune.state"], f"{path}: autotune.state") if "autotune.state" in small else None
-    return hparams, tuned
+    where = f"qcoll.zero.load: {path!r}:"
+    try:
+        if hparams is not None:
+            check_param_groups(optimizer.optimizer, hparams, f"{where} optim.param_groups")
+        if "autotune.state" in small:
+            tuned = from_json_tensor(small["autotune.state"], f"{path}: autotune.state")
+            where += " autotune.state:"
+            checked = autotune.check_state_dict(tuned)
+    except ValueError as e:
+        raise ValueError(f"{'' if str(e).startswith(where) else where + ' '}{e}; nothing was loaded") from e
+    return hparams, checked
 
 
 def _restore_optimizer(opt: Optimizer, saved: dict, hparams: list, groups: dict) -> None:
