@@ -262,3 +262,31 @@ def test_plain_constructors_and_the_zeropp_mapping_still_hold():
     assert (c.persist_threshold, c.reduce_bucket_numel, c.prefetch, c.compute_dtype) == (10_000, 500_000_000, 2, None)
     with pytest.raises(ValueError, match="stage 3 only"):
         zero.ZeroConfig.from_deepspeed(_ds({"stage": 2}))
+
+
+@pytest.mark.parametrize("keys,named", [
+    ({"offload_optimizer": {"device": "cpu", "pin_memory": True}}, "zero_optimization.offload_optimizer.device='cpu'"),
+    ({"offload_param": {"device": "nvme", "nvme_path": "/local"}}, "zero_optimization.offload_param.device='nvme'"),
+    ({"cpu_offload": True}, "zero_optimization.cpu_offload=true"),
+    ({"cpu_offload_params": "true"}, "zero_optimization.cpu_offload_params=true"),
+])
+def test_offload_asked_for_is_an_error_naming_the_key(keys, named):
+    """DeepSpeed would keep that state in host memory; qcoll keeps it on the device, so a run that
+    asked for offload must not silently get none (issue 39, item 3)."""
+    with pytest.raises(ValueError, match="does not offload") as info:
+        zero.ZeroConfig.from_deepspeed(_ds(keys))
+    assert named in str(info.value) and "ignore_unsupported=True" in str(info.value)
+    with pytest.warns(UserWarning, match="ignores these DeepSpeed keys: " + re.escape(f"zero_optimization.{next(iter(keys))}")):
+        c = zero.ZeroConfig.from_deepspeed(_ds(keys), ignore_unsupported=True)
+    assert c == zero.ZeroConfig.from_deepspeed(_ds(), ignore_unsupported=True)
+
+
+def test_offload_to_none_is_no_offload():
+    keys = {"offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"}, "cpu_offload": False}
+    with pytest.warns(UserWarning, match="ignores these DeepSpeed keys"):
+        c = zero.ZeroConfig.from_deepspeed(_ds(keys))
+    assert c == _quiet(_ds())
+    with pytest.raises(TypeError, match="offload_optimizer must be a dict"):
+        zero.ZeroConfig.from_deepspeed(_ds({"offload_optimizer": "cpu"}))
+    with pytest.raises(TypeError, match="ignore_unsupported"):
+        zero.ZeroConfig.from_deepspeed(_ds(), ignore_unsupported="yes")

@@ -15,6 +15,10 @@ _COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 # DeepSpeed ``zero_optimization`` keys that qcoll understands; everything else is ignored (and named).
 _DS_KNOWN = {"stage", "zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients",
              "stage3_param_persistence_threshold", "reduce_bucket_size"}
+# keys that ask for something qcoll does not do, which a user would miss (memory): refused when
+# enabled, unless from_deepspeed(..., ignore_unsupported=True)
+_DS_OFFLOAD = ("offload_optimizer", "offload_param")
+_DS_LEGACY_OFFLOAD = ("cpu_offload", "cpu_offload_params")
 _ABSENT = object()
 
 
@@ -149,7 +153,8 @@ class ZeroConfig:
         return cls(**{"weight_bits": None, "hpz": False, "grad_bits": None, **overrides})
 
     @classmethod
-    def from_deepspeed(cls, config: dict, ranks_per_node: int | None = None, **overrides) -> "ZeroConfig":
+    def from_deepspeed(cls, config: dict, ranks_per_node: int | None = None, *, ignore_unsupported: bool = False,
+                       **overrides) -> "ZeroConfig":
         """Build from a DeepSpeed config (whole, or its ``zero_optimization`` section).
 
         ``stage`` must be 3. ``zero_quantized_weights`` -> 8-bit qwZ, ``zero_quantized_gradients``
@@ -166,7 +171,11 @@ class ZeroConfig:
         that parse as one (``"500000000"``, ``"5e8"``). ``"auto"`` (Hugging Face's placeholder) keeps
         qcoll's default with a warning naming the key: for ``zero_hpz_partition_size`` hpZ with the
         node as the group, for a boolean false (DeepSpeed drops ``"auto"`` keys). Keys qcoll does not
-        implement (``fp16.loss_scale`` ...) are listed in one warning and otherwise ignored.
+        implement (``fp16.loss_scale`` ...) are listed in one warning and otherwise ignored, except
+        offloading: ``offload_optimizer`` / ``offload_param`` with a ``device`` other than ``"none"``
+        (and the older ``cpu_offload`` / ``cpu_offload_params`` set true) are a ``ValueError`` naming
+        the key, since qcoll keeps every state on the device and a run that asked for offload would
+        silently need its memory; ``ignore_unsupported=True`` turns that into the warning.
         ``overrides`` are further :class:`ZeroConfig` fields and win.
         """
         if not isinstance(config, dict):
@@ -182,6 +191,12 @@ class ZeroConfig:
             check_int(ranks_per_node, "ranks_per_node", minimum=1)
         bf16 = "bfloat16" if "bfloat16" in config and "bf16" not in config else "bf16"
         precision = {bf16: torch.bfloat16, "fp16": torch.float16} if whole else {}
+        check_bool(ignore_unsupported, "ignore_unsupported")
+        offload = _ds_offload(section)
+        if offload and not ignore_unsupported:
+            raise ValueError(f"qcoll does not offload to the CPU or NVMe; {', '.join(offload)} asks for it. qcoll "
+                             f"keeps parameters, gradients and optimizer state on the device: remove the key (or set "
+                             f"its device to \"none\"), or pass ignore_unsupported=True to train without offload")
         ignored = [f"zero_optimization.{k}" for k in sorted(set(section) - _DS_KNOWN)]
         enabled = []
         for key in sorted(config) if whole else []:
@@ -220,6 +235,24 @@ class ZeroConfig:
         if ranks_per_node is not None:
             result._check_node(ranks_per_node)
         return result
+
+
+def _ds_offload(section: dict) -> list[str]:
+    """The offload settings of ``section`` that ask for offloading (``key.device=...``, or an older ``key=true``)."""
+    asked = []
+    for key in _DS_OFFLOAD:
+        value = section.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise TypeError(f"zero_optimization.{key} must be a dict, got {type(value).__name__}")
+        device = value.get("device", "none")
+        if device not in ("none", None):
+            asked.append(f"zero_optimization.{key}.device={device!r}")
+    for key in _DS_LEGACY_OFFLOAD:
+        if key in section and _ds_bool(section, key, "zero_optimization"):
+            asked.append(f"zero_optimization.{key}=true")
+    return asked
 
 
 def _ds_auto(path: str, default: str) -> None:
