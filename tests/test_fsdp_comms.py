@@ -237,3 +237,39 @@ def test_quantize_comm_with_other_arguments_on_one_rank(ranks4):
         ranks4.run(_other_arguments, timeout=120)
     assert set(e.value.errors) == {0, 1, 2, 3}
     assert "ranks [1, 2, 3] passed other arguments" in e.value.errors[0] and "grad_bits=4" in e.value.errors[0]
+
+
+def _edges(rank, world):
+    """quantize_comm after a forward; on one node (twice: one warning); FSDP2's PREMUL_SUM by name."""
+    import warnings
+    from qcoll.fsdp import install
+    from qcoll.fsdp.comms import reduce_op_name
+
+    out = {}
+    model = fsdp2_transformer(reshard_after_forward=2)
+    x, y = Batches(corpus(), 8, 32).next(rank, world)
+    model(x, y)
+    try:
+        quantize_comm(model, qcoll.Topology(2))
+    except RuntimeError as e:
+        out["after forward"] = str(e)
+    install._warned_one_node = False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            quantize_comm(fsdp2_transformer(ranks_per_node=4, reshard_after_forward=True), qcoll.Topology(4))
+    out["one node"] = [str(w.message) for w in caught if "quantize_comm" in str(w.message)]
+    try:
+        reduce_op_name(dist._make_nccl_premul_sum(0.5))
+    except ValueError as e:
+        out["premul"] = str(e)
+    return out
+
+
+def test_quantize_comm_edges_say_what_happens(ranks4):
+    """Issue 39, item 13: refused after the first forward (its docstring's rule), a warning when
+    nothing crosses nodes (nothing is quantized), and a reduce op named, not an object address."""
+    for out in ranks4.run(_edges, timeout=120):
+        assert "has run a forward already" in out.get("after forward", ""), out
+        assert len(out["one node"]) == 1 and "nothing is quantized" in out["one node"][0], out["one node"]
+        assert "ReduceOp.PREMUL_SUM (factor 0.5)" in out["premul"] and "object at" not in out["premul"], out

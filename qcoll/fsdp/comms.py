@@ -157,12 +157,24 @@ def _prefix(numels: list[int]) -> list[int]:
 _OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg"}
 
 
+def describe_op(op) -> str:
+    """``ReduceOp.MAX``, ``ReduceOp.PREMUL_SUM (factor 0.5)``: a reduce op by its name (a ``ReduceOp``
+    instance's repr is ``<... object at 0x...>``)."""
+    kind = getattr(op, "op", op)              # a ReduceOp instance holds its RedOpType in .op
+    name = getattr(kind, "name", None)
+    if name is None:
+        return repr(op)
+    factor = getattr(op, "factor", None) if kind == dist.ReduceOp.PREMUL_SUM else None
+    return f"ReduceOp.{name}" + (f" (factor {factor})" if factor is not None else "")
+
+
 def reduce_op_name(op) -> str:
     """FSDP2's reduce op as qgZ's ``op``; a ``ValueError`` for the others."""
     for known, name in _OPS.items():
         if op == known:
             return name
-    raise ValueError(f"qcoll's quantized gradient reduction supports ReduceOp.SUM and ReduceOp.AVG, got {op!r} "
+    raise ValueError(f"qcoll's quantized gradient reduction supports ReduceOp.SUM and ReduceOp.AVG, got "
+                     f"{describe_op(op)} "
                      f"(set_gradient_divide_factor makes FSDP2 pass PREMUL_SUM; leave it unset, or pass "
                      f"quantize_comm(grad_bits=None))")
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
@@ -22,8 +23,11 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
                   timeout: datetime.timedelta | None = None) -> list[FSDPModule]:
     """Put qcoll's quantized collectives into every FSDP2 module under ``module``.
 
-    Call it on every rank after ``fully_shard`` and before the first forward; it returns
-    the FSDP modules it configured. A second call replaces the first. The ranks check
+    Call it on every rank after ``fully_shard`` and before the first forward (a
+    ``RuntimeError`` after it: FSDP2 has set up its groups' communication by then); it
+    returns the FSDP modules it configured. A second call replaces the first. With every
+    rank on one node nothing crosses nodes, so nothing is quantized (FSDP2's own collectives
+    run; a warning says so, once per process). The ranks check
     through the store that all of them called it with the same arguments and model: a
     ``ValueError`` names ranks that differ, a ``RuntimeError`` (after the store's timeout)
     names ranks that did not call it within ``timeout`` (default: the store's, which is
@@ -68,6 +72,10 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
     if not targets:
         raise ValueError(f"quantize_comm: no FSDP2 module under {type(module).__name__}: call "
                          f"torch.distributed.fsdp.fully_shard on it (and on its blocks) first")
+    started = [type(m).__name__ for m in targets if m._get_fsdp_state()._is_root is not None]
+    if started:
+        raise RuntimeError(f"quantize_comm: {started[0]} has run a forward already (FSDP2 initialized its "
+                           f"communication then); call quantize_comm after fully_shard and before the first forward")
     groups = [(m, g) for m in targets for g in m._get_fsdp_state()._fsdp_param_groups]
     if not groups:
         raise ValueError(f"quantize_comm: the FSDP2 modules under {type(module).__name__} manage no parameters")
@@ -99,7 +107,22 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
             topology, weight_bits, weight_block, [p._orig_size for p in group.fsdp_params]))
         m.set_custom_reduce_scatter(DefaultReduceScatter() if grad_bits is None else QuantizedReduceScatter(
             topology, grad_bits, grad_block, hadamard))
+    if topology.num_nodes == 1 and (weight_bits is not None or grad_bits is not None):
+        _warn_one_node(topology)
     return targets
+
+
+_warned_one_node = False
+
+
+def _warn_one_node(topology: Topology) -> None:
+    global _warned_one_node
+    if not _warned_one_node:
+        _warned_one_node = True
+        warnings.warn(f"quantize_comm: every rank is on one node ({topology!r}), so no collective crosses nodes and "
+                      f"nothing is quantized: FSDP2's own collectives run. Pass topology=qcoll.Topology("
+                      f"ranks_per_node=...) with the ranks each node has (torchrun sets LOCAL_WORLD_SIZE)",
+                      stacklevel=3)
 
 
 def _inter_bits(grad_bits):
