@@ -171,3 +171,28 @@ def _step_after_no_sync(rank, world):
 
 def test_a_step_on_gradients_never_reduced_is_refused(ranks4):
     assert all(ranks4.run(_step_after_no_sync, timeout=60))
+
+
+def _ddp_wrap(rank, world, shard):
+    import time
+    model = tiny_model(0)
+    if shard:
+        zero.shard(model, qcoll.Topology(2), zero.ZeroConfig())
+    t0 = time.monotonic()
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+    except TypeError as e:
+        return str(e), time.monotonic() - t0
+    x, y = Batches(corpus(), BATCH, model.cfg.context, 5).next(rank, world)
+    ddp(x, y).backward()   # the unsharded control trains under DDP as usual
+    return None, time.monotonic() - t0
+
+
+def test_wrapping_a_sharded_model_in_ddp_is_refused_at_once_naming_what_works(ranks4):
+    """The Hugging Face Trainer (Accelerate, MULTI_CPU) wraps the model in DDP; a sharded model used
+    to fail later inside autograd ("TBackward0 returned an invalid gradient ... expected shape
+    compatible with [0]"). Issue 39, item 4."""
+    for message, seconds in ranks4.run(_ddp_wrap, True, timeout=120):
+        assert message and "cannot be wrapped in DistributedDataParallel" in message, message
+        assert "QuantizeCommCallback" in message and seconds < 5
+    assert all(m is None for m, _ in ranks4.run(_ddp_wrap, False, timeout=120))

@@ -40,6 +40,19 @@ class ZeroModule(nn.Module):
     :func:`qcoll.zero.save` / :func:`qcoll.zero.load`.
     """
 
+    @property
+    def _ddp_params_and_buffers_to_ignore(self):
+        """``DistributedDataParallel`` reads this attribute first when it wraps a module (as the
+        Hugging Face Trainer and Accelerate do for a model they were not told is sharded): a
+        sharded model refuses the wrap there, at once, instead of failing in autograd later (its
+        parameters are empty between units' forwards, and qcoll reduces the gradients itself)."""
+        raise TypeError(
+            f"{type(self).__name__} is sharded by qcoll.zero.shard and cannot be wrapped in DistributedDataParallel: "
+            f"qcoll gathers its parameters and reduces its gradients itself. Train it in a loop of your own "
+            f"(loss.backward(); optimizer.step()); with the Hugging Face Trainer, shard with FSDP2 instead (Transformers' "
+            f"DistributedConfig, or Accelerate's FSDP2 plugin) and pass callbacks=[qcoll.integrations.hf."
+            f"QuantizeCommCallback()] (qcoll.integrations.hf has both recipes)")
+
     @contextlib.contextmanager
     def no_sync(self):
         """Gradient accumulation without communication: inside, backward keeps the
