@@ -31,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..checks import check_int
+from ..checks import check_int, check_number
 from ..comm.stats import stats
 from ..zero.load_checks import agreed
 from ..zero.reconfigure import FIXED_FIELDS, layout_allows, reconfigure, with_knobs
@@ -75,11 +75,9 @@ class AutoTune:
         unknown = [k.name for k in space.knobs if k.name not in fields]
         if unknown:
             raise ValueError(f"space knobs must be ZeroConfig fields; unknown: {unknown}")
-        for name, value in (("weight_error", weight_error), ("grad_error", grad_error)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        self.weight_error = check_number(weight_error, "weight_error", above=0)
+        self.grad_error = check_number(grad_error, "grad_error", above=0)
         self.model, self.space, self.tuner_name, self.seed = model, space, tuner, check_int(seed, "seed")
-        self.weight_error, self.grad_error = float(weight_error), float(grad_error)
         self.base = state.config
         self.point = self._point_of(state.config)
         for k in space.knobs:  # every configuration of the space must be buildable on this layout

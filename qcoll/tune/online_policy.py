@@ -31,9 +31,8 @@ from __future__ import annotations
 import enum
 import math
 import statistics
-import sys
 
-from ..checks import check_int
+from ..checks import check_int, check_number
 from .tuners import Trial, Tuner
 
 #: the windows' relative noise assumed until two windows of one configuration measure it
@@ -69,9 +68,8 @@ class OnlinePolicy:
         check_int(abort_after, "abort_after", minimum=1)
         if abort_after > window:
             raise ValueError(f"abort_after ({abort_after}) must be <= window ({window})")
-        for name, value, low in (("abort", abort, 1.0), ("drift_tolerance", drift_tolerance, 0.0)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > low:
-                raise ValueError(f"{name} must be a number > {low}, got {value!r}")
+        check_number(abort, "abort", above=1.0)
+        check_number(drift_tolerance, "drift_tolerance", above=0.0)
         self.tuner, self.space = tuner, tuner.space
         self.window, self.explore, self.reexplore, self.abort = window, explore, reexplore, float(abort)
         self.drift_tolerance, self.drift_patience, self.confirm = float(drift_tolerance), drift_patience, confirm
@@ -314,10 +312,6 @@ def _list(value, name: str) -> list:
 
 def _seconds(value, name: str) -> float:
     """A saved step time or cost: a finite number >= 0."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and 0 <= value <= _MAX
-    if not ok:   # (NaN fails the comparison; an int too large for a float is refused before float())
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r:.80}")
-    return float(value)
+    return check_number(value, name, minimum=0)
 
 
-_MAX = sys.float_info.max

@@ -23,13 +23,9 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from ..checks import check_int
+from ..checks import check_int, check_number
 from .optimizer import Optimizer
 from .state import state_of
-
-
-def _positive_int(value, name: str) -> int:
-    return check_int(value, name, minimum=1)
 
 
 class AdaptiveBatch:
@@ -52,18 +48,17 @@ class AdaptiveBatch:
                  interval: int = 1, lr_scaling: str | None = "sqrt"):
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"optimizer must be a qcoll.zero.Optimizer, got {type(optimizer).__name__}")
-        if isinstance(target, bool) or not isinstance(target, (int, float)) or not -1.0 < target < 1.0:
-            raise ValueError(f"target must be a cosine in (-1, 1), got {target!r}")
-        _positive_int(accumulation, "accumulation")
-        _positive_int(min_accumulation, "min_accumulation")
-        _positive_int(max_accumulation, "max_accumulation")
+        check_number(target, "target (a cosine)", above=-1.0, below=1.0)
+        check_int(accumulation, "accumulation", minimum=1)
+        check_int(min_accumulation, "min_accumulation", minimum=1)
+        check_int(max_accumulation, "max_accumulation", minimum=1)
         if not min_accumulation <= accumulation <= max_accumulation:
             raise ValueError(f"accumulation must lie in [min_accumulation, max_accumulation] = "
                              f"[{min_accumulation}, {max_accumulation}], got {accumulation}")
-        if not (isinstance(grow, (int, float)) and grow > 1) or not (isinstance(shrink, (int, float)) and 0 < shrink < 1):
-            raise ValueError(f"grow must be > 1 and shrink in (0, 1), got {grow!r}, {shrink!r}")
-        _positive_int(window, "window")
-        _positive_int(interval, "interval")
+        check_number(grow, "grow", above=1)
+        check_number(shrink, "shrink", above=0, below=1)
+        check_int(window, "window", minimum=1)
+        check_int(interval, "interval", minimum=1)
         if lr_scaling not in ("sqrt", "linear", None):
             raise ValueError(f"lr_scaling must be 'sqrt', 'linear' or None, got {lr_scaling!r}")
         self.optimizer = optimizer
