@@ -1,8 +1,10 @@
-"""Files written whole or not at all: the one atomic writer of the project (a leaf: imports nothing of qcoll)."""
+"""Files written whole or not at all: the one atomic writer of the project (a leaf: imports nothing of qcoll);
+and a range of a file read without trusting the sizes it claims (:class:`FileRange`, :func:`check_stored_zip`)."""
 from __future__ import annotations
 
 import os
 import secrets
+import zipfile
 from typing import BinaryIO, Callable
 
 
@@ -37,3 +39,40 @@ def write_atomic(path: str, write: Callable[[BinaryIO], object], prefix: str = T
         if os.path.lexists(tmp):
             os.unlink(tmp)
         raise
+
+
+class FileRange:
+    """Bytes ``[offset, offset + length)`` of the open binary file ``f``, read as a file of their own
+    (``seek`` / ``tell`` / ``read``): a read returns at most what is left of them, so a reader asking
+    for a size the data claims never reads, nor allocates, more than the range."""
+
+    def __init__(self, f: BinaryIO, offset: int, length: int):
+        self.f, self.offset, self.length, self.pos = f, offset, length, 0
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        self.pos = max(0, min(self.length, pos + (0, self.pos, self.length)[whence]))
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int | None = -1) -> bytes:
+        self.f.seek(self.offset + self.pos)
+        data = self.f.read(self.length - self.pos if n is None or n < 0 else min(n, self.length - self.pos))
+        self.pos += len(data)
+        return data
+
+
+def check_stored_zip(f: BinaryIO, offset: int, length: int) -> None:
+    """The zip archive at ``[offset, offset + length)`` of the open binary file ``f`` lists only records
+    stored uncompressed, each within the range: a reader that allocates the size a record claims before
+    reading it (``torch.load``) then allocates at most ``length`` bytes for it. ValueError otherwise
+    (zipfile's error as ``__cause__`` when the range holds no zip archive)."""
+    try:
+        records = zipfile.ZipFile(FileRange(f, offset, length)).infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError) as e:
+        raise ValueError(f"not a zip archive ({e})") from e
+    for r in records:
+        if r.compress_type != zipfile.ZIP_STORED or not r.compress_size == r.file_size <= length:
+            raise ValueError(f"zip record {r.filename!r} claims {r.file_size} bytes (compression method "
+                             f"{r.compress_type}) in an archive of {length}")

@@ -278,3 +278,86 @@ def test_saved_file_has_the_permissions_of_a_plain_open(tmp_path):
     finally:
         os.umask(old)
     assert os.stat(tmp_path / "m.safetensors").st_mode & 0o777 == 0o644
+
+
+# ---------------------------------------------------------------------------- sizes taken on trust
+DEEP = 100_000
+
+
+@pytest.mark.parametrize("field,text", [("tensors", "[" * DEEP + "]" * DEEP),
+                                        ("aliases", '{"a":' * DEEP + '"w"' + "}" * DEEP),
+                                        ("tensors", "[" * DEEP)], ids=["tensors", "aliases", "unclosed"])
+def test_metadata_json_nested_deeply_is_a_value_error(valid, field, text):
+    """json.loads recurses once per level (a RecursionError at ~1000); the field is refused unparsed."""
+    header, data = _split(valid.read_bytes())
+    meta(field, text)(header)
+    bad = valid.with_name("bad.safetensors")
+    bad.write_bytes(_join(header, data))
+    err = _check(bad, [f"'{field}'", f"{DEEP} deep"])
+    assert err.__cause__ is None
+
+
+def test_brackets_inside_metadata_strings_are_not_nesting(valid):
+    header, data = _split(valid.read_bytes())
+    aliases('{"t[[[[{{{{\\"\\\\": "w", "u": "w"}')(header)
+    odd = valid.with_name("odd.safetensors")
+    odd.write_bytes(_join(header, data))
+    assert weights.read(str(odd))[2] == {'t[[[[{{{{"\\': "w", "u": "w"}
+
+
+def test_safetensors_header_nested_deeply_is_a_value_error(valid):
+    text = b'{"x":' * DEEP + b"1" + b"}" * DEEP
+    bad = valid.with_name("bad.safetensors")
+    bad.write_bytes(struct.pack("<Q", len(text)) + text)
+    _check(bad, ["not a valid safetensors file"])
+
+
+def _empty_weight_file(path, shape):
+    """A file whose weight ``w`` has no blocks and claims ``shape`` (torch.Size.numel() wraps past int64)."""
+    w = QuantizedWeight(torch.zeros(0, 16, dtype=torch.uint8), torch.zeros(0), torch.Size([0]), torch.float32, 4, 32)
+    wfile.save(path, {"w": w})
+    header, data = _split(path.read_bytes())
+    entry("w", "shape", shape)(header)
+    path.write_bytes(_join(header, data))
+
+
+@pytest.mark.parametrize("shape", [[1 << 62, 4], [1 << 40, 1 << 40], [0, 1 << 70], [1 << 64]],
+                         ids=["wraps to 0", "wraps to 0 twice", "dim beyond int64 times 0", "dim beyond int64"])
+def test_a_shape_beyond_the_file_or_int64_is_a_value_error(tmp_path, shape):
+    bad = tmp_path / "bad.safetensors"
+    _empty_weight_file(bad, shape)
+    with pytest.raises(ValueError) as e:
+        weights.read(str(bad))
+    assert type(e.value) is ValueError and str(bad) in str(e.value), repr(e.value)
+    assert "'tensors'" in str(e.value) and "'w'" in str(e.value) and "'shape'" in str(e.value), str(e.value)
+
+
+def test_a_shape_the_codes_hold_but_the_file_could_not_is_refused_before_its_codes(valid):
+    """240,000 4-bit codes need 120,000 bytes: more than the whole file holds (the codes' shape is not
+    looked at: "shape too large for the codes" above is the case where the file could hold them)."""
+    header, data = _split(valid.read_bytes())
+    entry("w", "shape", [3, 80000])(header)
+    bad = valid.with_name("bad.safetensors")
+    bad.write_bytes(_join(header, data))
+    _check(bad, ["'tensors'", "'w'", "'shape'", "[3, 80000]", "4-bit codes"])
+
+
+SIZE_CASES = [
+    ("header length beyond the file", lambda b: struct.pack("<Q", len(b)) + b[8:]),
+    ("data offsets beyond the file", lambda b: _join(*_edited(b, stored("buf", "data_offsets", [0, 1 << 40])))),
+    ("a plain shape overflowing", lambda b: _join(*_edited(b, stored("buf", "shape", [1 << 62, 1 << 62])))),
+]
+
+
+@pytest.mark.parametrize("name,edit", SIZE_CASES, ids=[c[0] for c in SIZE_CASES])
+def test_safetensors_sizes_are_bounded_by_the_file(valid, name, edit):
+    """safetensors itself checks these (the 8-byte header length, each tensor's range and byte count)."""
+    bad = valid.with_name("bad.safetensors")
+    bad.write_bytes(edit(valid.read_bytes()))
+    _check(bad, ["not a valid safetensors file"])
+
+
+def _edited(raw, edit):
+    header, data = _split(raw)
+    edit(header)
+    return header, data

@@ -4,8 +4,11 @@ Oracles: the state captured right after each save (bit-exact comparison after a 
 fresh model), and, for the move-into-place steps, single-process DCP checkpoints holding a
 known tensor, read back with ``torch.distributed.checkpoint`` itself.
 """
+import contextlib
 import errno
 import os
+import re
+import subprocess
 import warnings
 
 import pytest
@@ -16,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 import qcoll
 from qcoll import zero
 from qcoll.testing import Batches, corpus, tiny_model, train_steps
-from qcoll.zero import atomic_dir
+from qcoll.zero import atomic_dir, checkpoint_safety
 
 from distributed import RankFailure, RankPool
 from zero_helpers import make_optimizer
@@ -421,3 +424,97 @@ def test_symlinked_checkpoint_dir_replaces_the_directory_it_points_to(tmp_path):
     atomic_dir.discard(atomic_dir.install(tmp, str(link)))
     assert link.is_symlink() and _read(str(link)) == 2.0
     assert sorted(os.listdir(real.parent)) == ["ckpt"]
+
+
+# --- a full disk: the real ENOSPC, the previous checkpoint kept -------------------------------------
+
+@contextlib.contextmanager
+def _small_disk(path, size: str):
+    """A tmpfs of ``size`` mounted at ``path`` (a real ENOSPC once it is full); skipped unless root."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("a full disk is a tmpfs of a few KiB, and mounting one needs root")
+    os.makedirs(path)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True,
+                             text=True, timeout=30)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (a container without CAP_SYS_ADMIN?): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", path], capture_output=True, timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", path], capture_output=True, timeout=30)
+
+
+def _assert_no_space(err, where: str, directory: str):
+    """``err`` (or its ``_described`` tuple): a CheckpointOSError ENOSPC naming a data or metadata file
+    of a temporary directory in ``directory``, in one line."""
+    kind, code, filename, text = _described(err) if isinstance(err, BaseException) else err
+    assert kind == "CheckpointOSError" and code == errno.ENOSPC, err
+    assert filename and os.path.dirname(os.path.dirname(filename)) == directory, (filename, directory)
+    assert re.fullmatch(r"__\d+_\d+\.distcp|\.metadata(\.tmp)?", os.path.basename(filename)), filename
+    assert text.startswith(f"{where}: rank ") and "No space left on device" in text, text
+    assert repr(filename) in text and "unexpected pos" not in text and "\n" not in text, text
+
+
+def _described(e):
+    """What a rank returns of an exception (an OSError's errno does not survive pickling)."""
+    return None if e is None else (type(e).__name__, getattr(e, "errno", None), getattr(e, "filename", None), str(e))
+
+
+def test_upgrade_on_a_full_disk_is_enospc_and_keeps_the_checkpoint(tmp_path):
+    from qcoll.zero.checkpoint_upgrade import upgrade_checkpoint
+
+    with _small_disk(str(tmp_path / "disk"), "512k") as disk:
+        legacy = os.path.join(disk, "ck")
+        x = torch.arange(70_000, dtype=torch.float32)  # 280 KB: room for one copy, not two
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"x": x, "optim.param_groups.0.lr": 0.25}, storage_writer=dcp.FileSystemWriter(legacy))
+        before = {n: open(os.path.join(legacy, n), "rb").read() for n in os.listdir(legacy)}
+        with pytest.raises(checkpoint_safety.CheckpointOSError) as e:
+            upgrade_checkpoint(legacy)
+        _assert_no_space(e.value, "qcoll.zero.checkpoint_safety.upgrade_checkpoint", disk)
+        assert os.listdir(disk) == ["ck"]  # the temporary is gone
+        assert {n: open(os.path.join(legacy, n), "rb").read() for n in os.listdir(legacy)} == before
+        upgrade_checkpoint(legacy, str(tmp_path / "converted"))  # and it still converts, elsewhere
+    state = {"x": torch.zeros_like(x), "optim.param_groups": torch.zeros(0, dtype=torch.uint8)}
+    md = checkpoint_safety.read_metadata(tmp_path / "converted")
+    state["optim.param_groups"] = torch.zeros(md.state_dict_metadata["optim.param_groups"].size, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, storage_reader=checkpoint_safety.SafeReader(str(tmp_path / "converted"), md))
+    assert torch.equal(state["x"], x)
+    assert checkpoint_safety.decode_param_groups(state["optim.param_groups"], "x") == [{"lr": 0.25}]
+
+
+def _size_of_a_save(rank, world, path):
+    m, opt = _trained(world, 0, 1)
+    zero.save(path, m, opt)
+    return sum(-(-os.path.getsize(os.path.join(path, n)) // 4096) * 4096 for n in os.listdir(path))
+
+
+def _save_on_a_full_disk(rank, world, path):
+    m, opt = _trained(world, 0, 1)
+    zero.save(path, m, opt)
+    saved, saved_opt = m.state_dict(), _opt_state(opt)
+    m, opt = _trained(world, 4, 1)
+    try:
+        zero.save(path, m, opt)
+        err = None
+    except Exception as e:
+        err = e
+    m2, opt2 = _trained(world, 9, 0)
+    zero.load(path, m2, opt2)  # the previous checkpoint, bitwise
+    _assert_same(m2.state_dict(), saved, "previous checkpoint")
+    _assert_same_opt(_opt_state(opt2), saved_opt, f"previous optimizer state, rank {rank}")
+    return _described(err)
+
+
+def test_save_on_a_full_disk_is_enospc_on_every_rank_and_keeps_the_checkpoint(ranks4, tmp_path):
+    size = ranks4.run(_size_of_a_save, str(tmp_path / "probe"), timeout=120)[0]
+    with _small_disk(str(tmp_path / "disk"), f"{size * 3 // 2 // 1024}k") as disk:  # one save fits, not two
+        path = os.path.join(disk, "ckpt")
+        for err in ranks4.run(_save_on_a_full_disk, path, timeout=120):
+            assert err is not None, "the second save fitted"
+            _assert_no_space(err, "qcoll.zero.save", disk)
+        assert os.listdir(disk) == ["ckpt"]  # the temporary is gone

@@ -5,6 +5,7 @@ The crafted payloads create a marker file when unpickled the way DCP would (``pi
 ``.metadata``, ``torch.load(weights_only=False)`` of non-tensor entries): each test asserts the
 refusal and that the marker never appears.
 """
+import dataclasses
 import errno
 import io
 import math
@@ -92,7 +93,7 @@ def test_metadata_unpickler_allows_dcp_metadata_only(tmp_path):
     entries = {f"t{i}": TensorStorageMetadata(TensorProperties(dtype=dt), torch.Size([4]),
                                               [ChunkStorageMetadata(torch.Size([0]), torch.Size([4]))])
                for i, dt in enumerate([torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool])}
-    storage = {MetadataIndex(k, [0]): _StorageInfo("__0_0.distcp", 16 * i, 16) for i, k in enumerate(entries)}
+    storage = {MetadataIndex(k, [0]): _StorageInfo("__0_0.distcp", 64 * i, 64) for i, k in enumerate(entries)}
     md = Metadata(entries, planner_data={k: (k,) for k in entries}, storage_data=storage)
     (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
     got = cs.read_metadata(tmp_path)
@@ -351,3 +352,114 @@ def test_metadata_cannot_set_attributes_of_a_class():
     with pytest.raises(UnsafeCheckpointError, match="refusing to set the attributes"):
         MetadataUnpickler(io.BytesIO(payload), "ckpt/.metadata").load()
     assert not hasattr(pathlib.PosixPath, "_qcoll_marker")
+
+
+# --- 4. sizes a checkpoint claims are bounded by its files --------------------------------------
+
+def _legacy(path, n=1000):
+    """A one-process checkpoint of the earlier format: a tensor and pickled hyper-parameters."""
+    x = torch.arange(n, dtype=torch.float32)
+    dcp.save({"optim.param_groups.0.lr": 0.25, "model.flat.x": x}, storage_writer=dcp.FileSystemWriter(path),
+             no_dist=True)
+    return x
+
+
+def _claim(path, edit):
+    """Rewrite the ``.metadata`` of ``path`` with ``edit(entries, storage)`` applied."""
+    md = cs.read_metadata(path, allow_bytes=True)
+    edit(md.state_dict_metadata, md.storage_data)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+
+
+def _huge(entries, storage, chunk=True, length=False):
+    """``model.flat.x`` claims 2**60 float32 elements (4 EiB): in its size, its chunk, its data length."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    e, big = entries["model.flat.x"], torch.Size([1 << 60])
+    entries["model.flat.x"] = dataclasses.replace(e, size=big, chunks=[ChunkStorageMetadata(torch.Size([0]), big)]
+                                                  if chunk else e.chunks)
+    if length:
+        index = MetadataIndex("model.flat.x", [0])
+        storage[index] = dataclasses.replace(storage[index], length=1 << 62)
+
+
+def _twice(entries, storage):
+    """``model.flat.y``: the same bytes as ``model.flat.x`` (N entries on one range claim N times the file)."""
+    entries["model.flat.y"] = entries["model.flat.x"]
+    storage[MetadataIndex("model.flat.y", [0])] = storage[MetadataIndex("model.flat.x", [0])]
+
+
+CLAIMS = [
+    ("beyond the data file", lambda e, s: _huge(e, s, length=True), ValueError, "__0_0.distcp"),
+    ("beyond the recorded length", _huge, cs.UnsafeCheckpointError, ".metadata"),
+    ("chunks not covering the size", lambda e, s: _huge(e, s, chunk=False), cs.UnsafeCheckpointError, ".metadata"),
+    ("two entries on one range", _twice, ValueError, "__0_0.distcp"),
+]
+
+
+@pytest.mark.parametrize("name,edit,error,file", CLAIMS, ids=[c[0] for c in CLAIMS])
+def test_upgrade_bounds_every_claimed_size_by_the_files(tmp_path, name, edit, error, file):
+    """Without the bounds: a 4 EiB torch.empty (or the data read twice)."""
+    src = str(tmp_path / "legacy")
+    _legacy(src)
+    _claim(src, edit)
+    with pytest.raises(error) as e:
+        cs.upgrade_checkpoint(src, str(tmp_path / "converted"))
+    assert repr(os.path.join(src, file)) in str(e.value) or f"{os.path.join(src, file)}:" in str(e.value), str(e.value)
+    assert "'model.flat.y'" in str(e.value) if edit is _twice else "'model.flat.x'" in str(e.value), str(e.value)
+    assert not os.path.exists(tmp_path / "converted")
+
+
+def test_metadata_lengths_read_at_most_the_file(tmp_path):
+    """A pickle opcode claiming 8 GiB of bytes: read from the file's own bytes, not allocated."""
+    import struct
+    import tracemalloc
+
+    (tmp_path / ".metadata").write_bytes(b"\x80\x04\x8e" + struct.pack("<Q", 1 << 33) + b"abc")
+    tracemalloc.start()
+    try:
+        with pytest.raises(cs.UnsafeCheckpointError, match="not a readable") as e:
+            cs.read_metadata(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 26 and "MemoryError" not in str(e.value), (peak, str(e.value))
+
+
+def _deflated(archive: bytes, extra: int) -> bytes:
+    """``archive`` (a torch.save zip) with its tensor's record deflated and ``extra`` zero bytes longer."""
+    import zipfile
+
+    src, out = zipfile.ZipFile(io.BytesIO(archive)), io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("/data/0"):
+                z.writestr(info.filename, data + bytes(extra), compress_type=zipfile.ZIP_DEFLATED)
+            else:
+                z.writestr(info, data)
+    return out.getvalue()
+
+
+def test_a_record_claiming_more_than_its_entry_is_refused_before_torch_load(tmp_path):
+    """torch.load allocates (and inflates) what a zip record claims before it checks the size: a
+    64-KiB entry would cost 64 MiB; a crafted directory claims any size."""
+    src = str(tmp_path / "legacy")
+    _legacy(src)
+    md = cs.read_metadata(src, allow_bytes=True)
+    index = MetadataIndex("model.flat.x", [0])
+    info, data = md.storage_data[index], os.path.join(src, "__0_0.distcp")
+    with open(data, "rb") as f:
+        raw = f.read()
+    assert info.offset + info.length == len(raw)  # DCP writes tensors last
+    bomb = _deflated(raw[info.offset:], 1 << 26)
+    with open(data, "wb") as f:
+        f.write(raw[:info.offset] + bomb)
+    md.storage_data[index] = dataclasses.replace(info, length=len(bomb))
+    with open(os.path.join(src, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+    with pytest.raises(cs.CheckpointError) as e:
+        cs.upgrade_checkpoint(src, str(tmp_path / "converted"))
+    assert repr(data) in str(e.value) and "'model.flat.x'" in str(e.value), str(e.value)
+    assert f"claims {(1 << 26) + 4000} bytes (compression method 8)" in str(e.value), str(e.value)

@@ -22,6 +22,8 @@ import json
 import os
 import re
 import stat
+from array import array
+from itertools import accumulate
 
 import torch
 
@@ -140,7 +142,10 @@ def read(path):
     truncated one (safetensors' error as ``__cause__``), no qcoll metadata, an unknown
     ``format_version``, a missing or malformed field, codes or scales whose dtype or shape do not
     match ``bits``, ``block_size`` and the tensor's shape, an alias to no tensor. Only safetensors
-    and JSON are parsed; nothing is unpickled.
+    and JSON are parsed; nothing is unpickled. No size in the file is taken on trust: safetensors
+    bounds the header and every tensor's bytes by the file's length, the metadata's JSON is refused
+    nested deeper than its format (before it is parsed: no recursion), and a shape whose product
+    overflows int64 or whose codes could not fit in the file is refused.
     """
     from safetensors import SafetensorError, safe_open
 
@@ -153,7 +158,7 @@ def read(path):
         raise _bad(path, f"not a valid safetensors file ({e})") from e
     with handle as f:
         meta = f.metadata() or {}
-        bits, block, info, aliases = _parse_metadata(path, meta)
+        bits, block, info, aliases = _parse_metadata(path, meta, os.path.getsize(path))
         names = set(f.keys())
         weights = {key: _weight(path, f, names, key, d, bits, block) for key, d in info.items()}
         quantized = {key + suffix for key in info for suffix in (CODES, SCALES)}
@@ -168,8 +173,9 @@ def _bad(path: str, what: str) -> ValueError:
     return ValueError(f"qcoll quantized-weights file {path!r}: {what}")
 
 
-def _parse_metadata(path: str, meta: dict) -> tuple[int, int, dict, dict]:
-    """``(bits, block_size, tensors, aliases)`` of the file's metadata, each field checked."""
+def _parse_metadata(path: str, meta: dict, size: int) -> tuple[int, int, dict, dict]:
+    """``(bits, block_size, tensors, aliases)`` of the metadata of the file (of ``size`` bytes), each
+    field checked."""
     if meta.get("format") != FORMAT:
         found = f"is {meta['format']!r}" if "format" in meta else "is missing"
         raise ValueError(f"{path!r} is not a qcoll quantized-weights file (metadata field 'format' {found}, "
@@ -187,7 +193,7 @@ def _parse_metadata(path: str, meta: dict) -> tuple[int, int, dict, dict]:
             raise _bad(path, f"metadata field 'block_size' must be a power of two in [{fmt.MIN_BLOCK}, "
                              f"{fmt.MAX_BLOCK}], got {meta['block_size']!r}")
     for key, d in info.items():
-        _check_entry(path, key, d)
+        _check_entry(path, key, d, bits, size)
     aliases = _json_field(path, meta, "aliases")
     for key, target in aliases.items():
         if not isinstance(target, str):
@@ -204,9 +210,26 @@ def _int_field(path: str, meta: dict, field: str) -> int:
     return int(text)
 
 
+#: how deep each JSON field nests: ``tensors`` {key: {"shape": [...], ...}}, ``aliases`` {key: target}
+_JSON_DEPTH = {"tensors": 3, "aliases": 1}
+_BRACKETS = str.maketrans("[{]}", "\x01\x01\xff\xff")
+
+
+def _json_depth(text: str) -> int:
+    """How deep arrays and objects nest in the JSON ``text``, found without parsing it (and without
+    recursing): escapes and strings dropped, then the running count of the brackets left (+1 / -1)."""
+    text = re.sub(r'"[^"]*"', "", text.replace("\\\\", "").replace('\\"', ""))
+    steps = array("b", re.sub(r"[^\[\]{}]+", "", text).translate(_BRACKETS).encode("latin-1"))
+    return max(accumulate(steps), default=0)
+
+
 def _json_field(path: str, meta: dict, field: str) -> dict:
     if field not in meta:
         raise _bad(path, f"metadata field {field!r} is missing")
+    depth = _json_depth(meta[field])
+    if depth > _JSON_DEPTH[field]:   # json.loads recurses once per level: a RecursionError, not a ValueError
+        raise _bad(path, f"metadata field {field!r} nests JSON arrays and objects {depth} deep; its format "
+                         f"nests them at most {_JSON_DEPTH[field]} deep")
     try:
         value = json.loads(meta[field])
     except json.JSONDecodeError as e:
@@ -217,8 +240,9 @@ def _json_field(path: str, meta: dict, field: str) -> dict:
     return value
 
 
-def _check_entry(path: str, key: str, d) -> None:
-    """One entry of the ``tensors`` field: ``{"shape": [int >= 0, ...], "dtype": float dtype, "orig_dtype": dtype}``."""
+def _check_entry(path: str, key: str, d, bits: int, size: int) -> None:
+    """One entry of the ``tensors`` field: ``{"shape": [int >= 0, ...], "dtype": float dtype, "orig_dtype": dtype}``,
+    the shape's product within int64 and its ``bits``-bit codes within the file's ``size`` bytes."""
     where = f"metadata field 'tensors', entry {key!r}"
     if not isinstance(d, dict):
         raise _bad(path, f"{where} must be a JSON object, got {_short(json.dumps(d))}")
@@ -229,6 +253,14 @@ def _check_entry(path: str, key: str, d) -> None:
     if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
                                               for n in shape):
         raise _bad(path, f"{where}: 'shape' must be a list of integers >= 0, got {_short(json.dumps(shape))}")
+    numel, limit = (0 if 0 in shape else 1), size * 8 // bits   # elements whose codes the file could hold
+    for n in shape:   # (multiplied only while within the limit: a crafted shape builds no huge integer)
+        if n >= 1 << 63 or numel > limit:
+            break
+        numel *= n
+    if any(n >= 1 << 63 for n in shape) or numel > limit:
+        raise _bad(path, f"{where}: 'shape' {_short(json.dumps(shape))} has more elements than the file's {size} "
+                         f"bytes hold as {bits}-bit codes (or a dimension beyond int64)")
     names = [_dtype_name(t) for t in fmt.FLOAT_DTYPES]
     if d["dtype"] not in names:
         raise _bad(path, f"{where}: 'dtype' must be one of {names}, got {_short(json.dumps(d['dtype']))}")

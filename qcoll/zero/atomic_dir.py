@@ -18,7 +18,13 @@ checkpoints are renamed to ``.<name>.qcoll-trash-<hex>`` before being deleted, s
 half-deleted directory never sits under a name that recovery trusts. Temporaries and
 trash left by a crash are never loaded and are deleted by the next save.
 
-Everything here runs on one process (rank 0). Only the names above, next to
+Every rank writes its files into the temporary through :func:`writer`, DCP's
+``FileSystemWriter`` that reports a failed write as the OSError that caused it (``ENOSPC``,
+``EDQUOT``, ``EIO``), naming the file: ``torch.save`` replaces it by a ``RuntimeError`` of its
+own ("unexpected pos ..."). A full disk thus fails the save before anything is moved, and the
+previous checkpoint stays.
+
+Everything else here runs on one process (rank 0). Only the names above, next to
 ``<name>``, are ever created, renamed or deleted, and an existing ``<name>`` is replaced
 only when it holds a checkpoint (a ``.metadata`` file and nothing but
 ``torch.distributed.checkpoint`` files): any other non-empty directory is refused.
@@ -27,12 +33,16 @@ other's temporaries).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
 import re
 import shutil
 import uuid
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 METADATA = ".metadata"
 # the files FileSystemWriter writes: data "__<rank>_<n>.distcp", ".metadata" (and "__<rank>.metadata"
@@ -199,6 +209,41 @@ def prepare_save(checkpoint_dir: str) -> str:
     tmp = names.fresh("tmp")
     os.mkdir(tmp)
     return tmp
+
+
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The first OSError in ``e``'s chain of causes and contexts (``e`` itself included), or None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+class _FileSystem(FileSystem):
+    """DCP's local file system whose streams raise an OSError naming the file when a write fails."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+        except Exception as e:
+            cause = _os_error(e)
+            if cause is None or (cause is e and e.filename is not None):
+                raise
+            # the OSError that torch.save's RuntimeError ("unexpected pos") hides, or a flush's without a name
+            raise OSError(cause.errno, cause.strerror or str(cause), os.fspath(path)) from e
+
+
+def writer(tmp: str) -> FileSystemWriter:
+    """DCP's ``FileSystemWriter`` into ``tmp`` (from :func:`prepare_save`; every rank), reporting a
+    failed write as the OSError that caused it, with the file's name (see the module docstring)."""
+    w = FileSystemWriter(tmp, overwrite=False)
+    w.fs = _FileSystem()
+    return w
 
 
 def install(tmp: str, checkpoint_dir: str) -> str | None:

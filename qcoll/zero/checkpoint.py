@@ -197,7 +197,7 @@ def save(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
         if autotune is not None:  # JSON text, the same on every rank (rank 0's measurements)
             state["autotune"] = {"state": json_tensor(autotune.state_dict())}
         try:
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, overwrite=False))
+            dcp.save(state, storage_writer=atomic_dir.writer(tmp))
         except CheckpointException as e:
             raise summarize(e, "qcoll.zero.save") from e
         finally:

@@ -1,46 +1,47 @@
-"""What :func:`qcoll.zero.load` trusts in a checkpoint directory: no code from it ever runs.
+"""What :func:`qcoll.zero.load` trusts in a checkpoint directory: no code from it runs, and no size
+it claims allocates more than its files hold.
 
 A ``torch.distributed.checkpoint`` (DCP) directory holds a pickled ``.metadata`` file and data
 files ``__<rank>_<n>.distcp``. DCP itself reads ``.metadata`` with ``pickle.load`` and every
 non-tensor (``BYTE_IO``) entry with ``torch.load(weights_only=False)``: a crafted directory would
 run any code on every loading rank. Here instead:
 
-* :func:`read_metadata` unpickles ``.metadata`` with :class:`MetadataUnpickler`, which resolves
-  only DCP's metadata classes and the torch and standard-library types they hold (``torch.Size``,
-  dtypes, layouts, paths); any other global is refused with an :class:`UnsafeCheckpointError`
-  naming the file and the global. It then checks the structure: a ``BYTE_IO`` entry is refused
-  naming its key (qcoll stores none), and every data location must be a ``__<rank>_<n>.distcp``
-  file of the directory itself.
-* :class:`SafeReader` is DCP's ``FileSystemReader`` with that ``read_metadata``; the rest is DCP's
-  (tensors are read with ``torch.load(weights_only=True)``), except that a data file too short
-  for its entries, or failing to read, is reported by name.
+* :func:`read_metadata` unpickles ``.metadata`` (read whole first) with :class:`MetadataUnpickler`,
+  which resolves only DCP's metadata classes and the torch and standard-library types they hold;
+  any other global is refused with an :class:`UnsafeCheckpointError` naming the file and the global.
+  Then no ``BYTE_IO`` entry (qcoll stores none); data locations are untransformed ranges of the
+  directory's ``__<rank>_<n>.distcp`` files; a tensor's chunks lie inside it, cover it and fit their
+  ranges, so its size is bounded by recorded lengths, which :class:`SafeReader` (and
+  ``upgrade_checkpoint``) bound by the files' own.
+* :class:`SafeReader` is DCP's ``FileSystemReader`` with that ``read_metadata`` (tensors are read
+  with ``torch.load(weights_only=True)``); a data file too short for its entries, or failing to
+  read, is reported by name, and an entry's records must be stored uncompressed within it.
 * qcoll's non-tensor values (optimizer hyper-parameters, the parameter layout) are JSON text in a
-  uint8 tensor (:func:`json_tensor`), with tuples, dicts and tensors tagged so that they come back
-  as the same Python types (:func:`encode_value` / :func:`decode_value`).
+  uint8 tensor (:func:`json_tensor`), tuples, dicts and tensors tagged (:func:`encode_value`).
 * :func:`summarize` turns DCP's ``CheckpointException`` (every rank's traceback) into one line.
-* :func:`upgrade_checkpoint` converts a checkpoint of qcoll's earlier format (hyper-parameters
-  as pickles) into the current one, reading those entries with ``torch.load(weights_only=True)``.
+
+``upgrade_checkpoint`` (:mod:`qcoll.zero.checkpoint_upgrade`, importable from here) converts the
+earlier format (hyper-parameters as pickles).
 """
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
+import math
 import numbers
 import os
 import pickle
 import re
-import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, StorageMeta, TensorStorageMetadata)
 from torch.futures import Future
 
-from . import atomic_dir
+from .. import files
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _PATHS = ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
@@ -56,6 +57,13 @@ ALLOWED_GLOBALS = frozenset(
 _DATA_FILE = re.compile(r"__\d+_\d+\.distcp")
 _LEGACY_KEY = re.compile(r"optim\.param_groups\.\d+\.[A-Za-z_]\w*")
 _DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")
+
+
+def __getattr__(name: str):  # upgrade_checkpoint, imported when asked for (its module imports this one)
+    if name == "upgrade_checkpoint":
+        from .checkpoint_upgrade import upgrade_checkpoint
+        return upgrade_checkpoint
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class UnsafeCheckpointError(ValueError):
@@ -155,10 +163,30 @@ def _check_structure(md, path: str, allow_bytes: bool) -> None:
             _fail(path, f"the data of {index.fqn!r} is in {name!r}, not a __<rank>_<n>.distcp file of the directory")
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (info.offset, info.length)):
             _fail(path, f"the data location of {index.fqn!r} is not a valid offset and length")
-        if not isinstance(info.transform_descriptors or [], (list, tuple)):
-            _fail(path, f"the data of {index.fqn!r} has invalid transform descriptors")
+        if info.transform_descriptors:  # (compressed: its size would not be bounded by the file's; qcoll writes none)
+            _fail(path, f"the data of {index.fqn!r} is transformed ({info.transform_descriptors!r:.80})")
+    for key, entry in entries.items():
+        if isinstance(entry, TensorStorageMetadata):
+            _check_chunks(path, key, entry, storage)
     if md.storage_meta is not None and not isinstance(md.storage_meta, StorageMeta):
         _fail(path, f"storage_meta is a {type(md.storage_meta).__name__}")
+
+
+def _check_chunks(path: str, key: str, entry: TensorStorageMetadata, storage: dict) -> None:
+    """The chunks of ``entry`` lie inside it at distinct offsets, cover it, and fit their data's lengths."""
+    size, dtype, seen = entry.size, entry.properties.dtype, set()
+    for c in entry.chunks:
+        if not (isinstance(c.offsets, torch.Size) and isinstance(c.sizes, torch.Size) and c.offsets not in seen
+                and len(c.offsets) == len(size) == len(c.sizes)
+                and all(o >= 0 and n >= 0 and o + n <= s for o, n, s in zip(c.offsets, c.sizes, size))):
+            _fail(path, f"entry {key!r} of size {list(size)} has a chunk of size {c.sizes!r:.60} at {c.offsets!r:.60}")
+        seen.add(c.offsets)
+        info, nbytes = storage.get(MetadataIndex(key, c.offsets)), math.prod(c.sizes) * dtype.itemsize
+        if nbytes and (info is None or nbytes > info.length):
+            _fail(path, f"entry {key!r}: its chunk at {list(c.offsets)} ({nbytes} bytes of {dtype}) has "
+                  + (f"{info.length} bytes in {info.relative_path}" if info else "no data"))
+    if sum(math.prod(c.sizes) for c in entry.chunks) < math.prod(size):
+        _fail(path, f"entry {key!r} of size {list(size)}: its chunks do not cover it")
 
 
 def read_metadata(checkpoint_dir, *, allow_bytes: bool = False, rank: int | None = None) -> Metadata:
@@ -170,20 +198,22 @@ def read_metadata(checkpoint_dir, *, allow_bytes: bool = False, rank: int | None
     :func:`upgrade_checkpoint`, which reads them with ``torch.load(weights_only=True)``)."""
     path = os.path.join(os.fspath(checkpoint_dir), ".metadata" if rank is None else f"__{rank}.metadata")
     with open(path, "rb") as f:
-        try:
-            md = MetadataUnpickler(f, path).load()
-        except UnsafeCheckpointError:
-            raise
-        except Exception as e:  # truncated, not a pickle, a class refusing its state
-            raise UnsafeCheckpointError(f"{path}: not a readable torch.distributed.checkpoint metadata file "
-                                        f"({type(e).__name__}: {e})") from e
+        data = f.read()  # whole: a length in the pickle then reads (allocates) at most what the file holds
+    try:
+        md = MetadataUnpickler(io.BytesIO(data), path).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as e:  # truncated, not a pickle, a class refusing its state
+        raise UnsafeCheckpointError(f"{path}: not a readable torch.distributed.checkpoint metadata file "
+                                    f"({type(e).__name__}: {e})") from e
     _check_structure(md, path, allow_bytes)
     return md
 
 
 class SafeReader(dcp.FileSystemReader):
     """DCP's ``FileSystemReader`` whose metadata is :func:`read_metadata`'s (or ``metadata``, already
-    read that way); a data file that is too short or fails to read raises naming the file."""
+    read that way); a data file that is too short or fails to read raises naming the file, and so does
+    an entry whose records claim more than it holds (``torch.load`` would allocate what they claim)."""
 
     def __init__(self, path, metadata: Metadata | None = None):
         super().__init__(path)
@@ -209,6 +239,12 @@ class SafeReader(dcp.FileSystemReader):
             if size < need:
                 raise RuntimeError(f"checkpoint file {path!r} is truncated: {size} bytes, its entries need {need} "
                                    "(a save that was cut short, or a damaged copy)")
+            with open(path, "rb") as f:
+                for i, info in ((i, self.storage_data[i.storage_index]) for i in items):
+                    try:
+                        files.check_stored_zip(f, info.offset, info.length)
+                    except ValueError as e:
+                        raise RuntimeError(f"checkpoint file {path!r}: the data of {i.storage_index.fqn!r}: {e}") from e
             try:
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()
             except OSError:
@@ -369,69 +405,3 @@ def layout_differences(saved, model: dict[str, list]) -> list[str]:
         if not only_ck and not only_model and [n for n, _ in theirs] != [n for n, _ in params]:
             out.append(f"group {group!r}: the same parameters in another order")
     return out
-
-
-# --- the earlier format ----------------------------------------------------------------------
-
-class _WeightsOnlyPlanner(DefaultLoadPlanner):
-    """Reads ``BYTE_IO`` entries with ``torch.load(weights_only=True)``: plain data only, no code."""
-
-    def __init__(self):
-        super().__init__(flatten_state_dict=False)
-
-    def load_bytes(self, read_item, value) -> None:
-        key = read_item.dest_index.fqn
-        try:
-            self.original_state_dict[key] = torch.load(value, weights_only=True)  # the caller's dict
-        except pickle.UnpicklingError as e:
-            why = [line for line in str(e).splitlines() if "GLOBAL" in line] or [str(e).splitlines()[0]]
-            raise UnsafeCheckpointError(f"{key!r} is refused by torch.load(weights_only=True): {why[0].strip()}") from e
-
-
-def upgrade_checkpoint(src, dst=None) -> None:
-    """Convert a checkpoint that an earlier qcoll wrote (the optimizer's hyper-parameters pickled as
-    ``optim.param_groups.<i>.<name>`` entries) into the current format, in ``dst`` (default: ``src``
-    itself, replaced atomically as :func:`qcoll.zero.save` does).
-
-    One process, no ``torch.distributed`` needed; the whole checkpoint is held in memory once. The
-    pickled entries are read with ``torch.load(weights_only=True)`` (plain numbers, strings, tuples:
-    a crafted entry is refused, nothing runs); any other non-tensor entry is refused. ValueError
-    when ``src`` is already in the current format."""
-    src = atomic_dir.checkpoint_path(src)
-    dst = src if dst is None else atomic_dir.checkpoint_path(dst)
-    md = read_metadata(src, allow_bytes=True)
-    state: dict = {}
-    for key, entry in md.state_dict_metadata.items():
-        if isinstance(entry, BytesStorageMetadata):
-            if not _LEGACY_KEY.fullmatch(key):
-                raise UnsafeCheckpointError(f"{src}: non-tensor entry {key!r} is not one qcoll ever wrote; refusing")
-            state[key] = None
-        else:
-            state[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
-    legacy = [k for k in state if _LEGACY_KEY.fullmatch(k)]  # pickled, or a tensor lr saved as a tensor
-    if not any(state[k] is None for k in legacy):
-        raise ValueError(f"{src}: already in the current format (no pickled optimizer hyper-parameters)")
-    try:
-        with warnings.catch_warnings():  # DCP warns that it loads in one process, even when asked to
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(state, storage_reader=SafeReader(src, md), planner=_WeightsOnlyPlanner(), no_dist=True)
-    except CheckpointException as e:
-        raise summarize(e, "qcoll.zero.checkpoint_safety.upgrade_checkpoint") from e
-    groups: dict[int, dict] = {}
-    for key in legacy:
-        _, _, index, name = key.split(".", 3)
-        groups.setdefault(int(index), {})[name] = state.pop(key)
-    if sorted(groups) != list(range(len(groups))):
-        raise ValueError(f"{src}: the pickled param_groups are not numbered 0..{len(groups) - 1}: {sorted(groups)}")
-    state["optim.param_groups"] = encode_param_groups([groups[i] for i in range(len(groups))])
-    tmp = atomic_dir.prepare_save(dst)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, overwrite=False), no_dist=True)
-        superseded = atomic_dir.install(tmp, dst)
-    except BaseException:
-        atomic_dir.discard(tmp)
-        raise
-    if superseded is not None:
-        atomic_dir.discard(superseded)
