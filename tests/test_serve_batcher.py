@@ -137,3 +137,20 @@ def test_a_failing_batch_fails_its_requests_and_the_next_batch_runs():
         await b.stop()
         return got
     assert run(main()) == 2
+
+
+def test_idle_workers_beyond_a_lowered_count_retire_at_once():
+    """workers 8 -> 1 with nothing queued: the 7 idle workers end now, not after a batch each
+    (waiting, every one of them woke at each arrival)."""
+    async def main():
+        b = Batcher(Recorder(), BatchConfig(max_batch_size=1, batch_wait_timeout_s=0.0, workers=8, intra_op_threads=1))
+        await b.start()
+        await asyncio.sleep(0.05)
+        before = sum(not t.done() for t in b._tasks)
+        b.reconfigure(BatchConfig(max_batch_size=1, batch_wait_timeout_s=0.0, workers=1, intra_op_threads=1))
+        await asyncio.sleep(0.05)
+        after = sum(not t.done() for t in b._tasks)
+        result = await b.submit(3)
+        await b.stop()
+        return before, after, result
+    assert run(main()) == (8, 1, 30)

@@ -1,6 +1,7 @@
 """qcoll.serve over HTTP: the exported model's logits bit for bit, greedy generation, bad requests
 answered 4xx while the server keeps serving, overload shed with 503s, the static-config endpoint."""
 import concurrent.futures as cf
+import os
 import time
 
 import numpy as np
@@ -39,10 +40,13 @@ def oracle(exported):
     return logits
 
 
+CORES = min(2, os.cpu_count() or 1)   # PUT /admin/config takes at most this machine's cores
+
+
 @pytest.fixture(scope="module")
 def static_url(exported):
-    server = Server(load_runner(*exported), BatchConfig(max_batch_size=8, batch_wait_timeout_s=0.05, workers=2,
-                                                        intra_op_threads=2))
+    server = Server(load_runner(*exported), BatchConfig(max_batch_size=8, batch_wait_timeout_s=0.05, workers=CORES,
+                                                        intra_op_threads=CORES), admin=True)
     with serving(build_app(server)) as url:
         yield url
 
@@ -52,7 +56,8 @@ def _concurrently(url, bodies):
         return list(pool.map(lambda b: call(url, b), bodies))
 
 
-@pytest.mark.parametrize("config", [dict(max_batch_size=8, batch_wait_timeout_s=0.05, workers=2, intra_op_threads=2),
+@pytest.mark.parametrize("config", [dict(max_batch_size=8, batch_wait_timeout_s=0.05, workers=CORES,
+                                         intra_op_threads=CORES),
                                     dict(max_batch_size=1, batch_wait_timeout_s=0.0, workers=1, intra_op_threads=1)])
 def test_logits_are_the_exported_models_bit_for_bit(static_url, oracle, config):
     status, _, _ = call(static_url + "/admin/config", config, method="PUT")
@@ -160,7 +165,7 @@ def test_overload_sheds_with_503_instead_of_queueing_without_bound(exported):
 
 
 def test_a_tuned_server_refuses_manual_config_and_reports_its_scheduler(exported):
-    server = Server(load_runner(*exported), scheduler=SloScheduler(0.1, "rrl"))
+    server = Server(load_runner(*exported), scheduler=SloScheduler(0.1, "rrl"), admin=True)
     with serving(build_app(server)) as url:
         status, doc, _ = call(url + "/admin/config", {"max_batch_size": 4}, method="PUT")
         assert status == 409 and "tuner" in doc["error"]

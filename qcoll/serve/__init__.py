@@ -6,7 +6,9 @@
 
 Layers: :mod:`.runner` (the model: batched logits and greedy generation), :mod:`.batcher` (the
 queue and its run-time knobs), :mod:`.scheduler` (RRL over the knobs, engine-independent),
-:mod:`.app` (HTTP: validation, 4xx/503, metrics), :mod:`.cli` (``qcoll-serve``).
+:mod:`.app` (HTTP: validation, 4xx/503, metrics), :mod:`.body` (bodies under a size limit, JSON
+under a nesting limit), :mod:`.admin` (``PUT /admin/config``: off, token, bounds),
+:mod:`.model_files` (a model's files checked before loading), :mod:`.cli` (``qcoll-serve``).
 """
 from .app import Server, build_app
 from .batcher import Batcher, BatchConfig, Overloaded

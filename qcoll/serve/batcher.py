@@ -24,6 +24,9 @@ from typing import Any, Callable
 
 from ..checks import check_int
 
+#: the most batches that run at once (the worker thread pool's size)
+MAX_WORKERS = 64
+
 
 @dataclass(frozen=True)
 class BatchConfig:
@@ -86,7 +89,7 @@ class Batcher:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self._arrived = asyncio.Event()
-        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="qcoll-serve")
+        self._pool = ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="qcoll-serve")
         self._resize()
 
     async def stop(self) -> None:
@@ -118,7 +121,7 @@ class Batcher:
         self._tasks = [t for t in self._tasks if not t.done()]
         while len(self._tasks) < self.config.workers:
             self._tasks.append(asyncio.get_running_loop().create_task(self._worker(len(self._tasks))))
-        # extra workers retire themselves after their batch (see _worker)
+        # extra workers retire themselves: at once when idle, else after their batch (see _worker)
 
     # ------------------------------------------------------------------ requests
     def submit(self, payload) -> asyncio.Future:
@@ -134,8 +137,11 @@ class Batcher:
         self._arrived.set()
         return job.future
 
-    async def _next_batch(self) -> list[Job]:
+    async def _next_batch(self, index: int) -> list[Job] | None:
+        """The next batch, or None when worker ``index`` is beyond ``workers`` (it retires)."""
         while not self.queue:
+            if index >= self.config.workers:
+                return None
             self._arrived.clear()
             await self._arrived.wait()
         while True:
@@ -156,7 +162,10 @@ class Batcher:
     async def _worker(self, index: int) -> None:
         loop = asyncio.get_running_loop()
         while index < self.config.workers:
-            jobs = [j for j in await self._next_batch() if not j.future.done()]   # done: the client left
+            batch = await self._next_batch(index)
+            if batch is None:
+                break
+            jobs = [j for j in batch if not j.future.done()]   # done: the client left
             if not jobs:
                 continue
             threads = self.config.intra_op_threads

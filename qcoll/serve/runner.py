@@ -5,9 +5,13 @@ Two back ends, one interface (:class:`Runner`):
 - :class:`TorchRunner`: the quantized-weights safetensors file (:func:`qcoll.zero.export_quantized`)
   loaded by :func:`qcoll.weights.load_quantized` into the Hugging Face architecture its
   ``config.json`` describes (built with ``from_config``: no weights or code are downloaded, and
-  ``trust_remote_code`` stays off, so no code from the config runs).
+  ``trust_remote_code`` stays off, so no code from the config runs). The files are checked before
+  the model is allocated (:mod:`.model_files`): a config asking for more parameters than the
+  weights file holds, nested too deep, or a path that is not a regular file is a ValueError
+  naming the file.
 - :class:`OnnxRunner`: the ONNX export (:func:`qcoll.weights.onnx.export_onnx`) through onnxruntime;
-  its ``input_ids`` must have dynamic batch and sequence axes.
+  its ``input_ids`` must have dynamic batch and sequence axes; a file onnxruntime cannot load is a
+  ValueError naming it.
 
 A batch is a list of prompts (lists of token ids). Prompts of one length run together as one
 forward (no padding, so a prompt's logits do not depend on a pad or mask); prompts of other
@@ -21,6 +25,8 @@ from collections import defaultdict
 
 import numpy as np
 import torch
+
+from . import model_files
 
 
 class Runner:
@@ -74,20 +80,39 @@ class TorchRunner(Runner):
     @classmethod
     def from_files(cls, model_file, config) -> "TorchRunner":
         """The exported safetensors ``model_file`` in the architecture of ``config`` (a Hugging Face
-        ``config.json``, or the folder holding one)."""
+        ``config.json``, or the folder holding one). Both files are checked first
+        (:mod:`.model_files`): regular files, the config bounded in size and nesting, and the model it
+        describes, built on the meta device, no larger than the weights file can hold; ValueError
+        naming the file otherwise, before the model is allocated."""
         import transformers
 
         from ..weights import load_quantized
 
+        path = os.fspath(model_file)
         if config is None:
-            raise ValueError(f"{os.fspath(model_file)!r} is a quantized-weights file: it holds no architecture, so "
+            raise ValueError(f"{path!r} is a quantized-weights file: it holds no architecture, so "
                              "pass config= (the model's Hugging Face config.json, or the folder holding it)")
+        size = model_files.regular_file(path, "model_file")
         if not os.path.exists(config):
             raise ValueError(f"config {os.fspath(config)!r}: no such file or folder")
+        config_path = model_files.config_file(config)
         transformers.logging.set_verbosity_error()
-        cfg = transformers.AutoConfig.from_pretrained(os.fspath(config), trust_remote_code=False)
-        model = transformers.AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
-        load_quantized(model_file, model)
+        try:
+            cfg = transformers.AutoConfig.from_pretrained(config_path, trust_remote_code=False)
+        except (ValueError, TypeError, KeyError, AttributeError, OSError, RecursionError) as e:
+            raise ValueError(f"config {config_path!r}: transformers cannot read it ({type(e).__name__}: "
+                             f"{_first_line(e)})") from e
+
+        def build():
+            return transformers.AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
+
+        model_files.check_model_size(cfg, config_path, path, size, build)
+        model = build()
+        try:
+            load_quantized(path, model)
+        except RuntimeError as e:   # load_state_dict's missing or unexpected keys (several lines)
+            raise ValueError(f"model_file {path!r} does not hold the model of config {config_path!r}: "
+                             f"{_first_line(e)}") from e
         positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
         return cls(model, cfg.vocab_size, positions)
 
@@ -108,10 +133,15 @@ class OnnxRunner(Runner):
         import onnxruntime as ort
 
         self._ort, self.path = ort, os.fspath(path)
+        model_files.regular_file(self.path, "model_file")
         self._sessions: dict[int, object] = {}
         self._lock = threading.Lock()
         self._threads = 1
-        session = self._session(1)
+        try:
+            session = self._session(1)
+        except Exception as e:   # onnxruntime's errors (InvalidProtobuf, Fail, ...) share no base class
+            raise ValueError(f"{self.path!r} is not an ONNX model onnxruntime can load ({type(e).__name__}: "
+                             f"{_first_line(e)})") from e
         inputs = session.get_inputs()
         if [i.name for i in inputs] != ["input_ids"]:
             raise ValueError(f"{self.path!r}: the graph's inputs are {[i.name for i in inputs]}, expected "
@@ -151,8 +181,7 @@ def load_runner(model_file, config=None) -> Runner:
     if not isinstance(model_file, (str, os.PathLike)):
         raise TypeError(f"model_file must be a str or os.PathLike, got {type(model_file).__name__}")
     path = os.fspath(model_file)
-    if not os.path.isfile(path):
-        raise ValueError(f"model_file {path!r}: no such file")
+    model_files.regular_file(path, "model_file")
     if path.endswith(".onnx"):
         if config is not None:
             raise ValueError("config= is for a quantized-weights safetensors file; an ONNX file holds its graph")
@@ -161,3 +190,10 @@ def load_runner(model_file, config=None) -> Runner:
         return TorchRunner.from_files(path, config)
     raise ValueError(f"model_file {path!r}: expected a .safetensors file (qcoll.zero.export_quantized) or an "
                      ".onnx file (qcoll.weights.onnx.export_onnx)")
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    """An exception's message as one line (its first, cut to ``limit`` characters)."""
+    lines = str(e).strip().splitlines()
+    line = lines[0].strip() if lines else ""
+    return line if len(line) <= limit else line[:limit] + "..."
