@@ -36,9 +36,9 @@ def check_int(value, name: str, *, minimum: int | None = None, maximum: int | No
     """
     what = _describe(minimum, maximum)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ArgumentTypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+        raise ArgumentTypeError(f"{name} must be {what}, got {value!r:.80} ({type(value).__name__})")
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise ValueError(f"{name} must be {what}, got {value!r}")
+        raise ValueError(f"{name} must be {what}, got {value!r:.80}")
     return value
 
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import math
 import os
 
+from ..checks import check_int, check_number
 from .batcher import MAX_WORKERS, BatchConfig
-from .body import BadRequest, short_repr
+from .body import BadRequest
 
 #: the longest ``batch_wait_timeout_s`` the admin route accepts (20 times the tuner's longest)
 MAX_BATCH_WAIT_S = 1.0
@@ -73,14 +73,11 @@ def updated_config(doc, current: BatchConfig, max_queue: int, cores: int | None 
         raise BadRequest(422, f"unknown field(s) {unknown}; this endpoint takes {sorted(bounds)}")
     for name, value in doc.items():
         low, high, why = bounds[name]
-        if name == "batch_wait_timeout_s":
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            kind = "a number of seconds"
-        else:
-            ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
-        if not ok or not low <= value <= high:
-            raise BadRequest(422, f"'{name}' must be {kind} from {low:g} to {high:g} (at most {why}), "
-                                  f"got {short_repr(value)}")
+        check = check_number if name == "batch_wait_timeout_s" else check_int
+        try:
+            check(value, f"'{name}'", minimum=low, maximum=high)
+        except ValueError as e:
+            raise BadRequest(422, f"{e} (at most {why})") from None
     return BatchConfig(**{**current.__dict__, **doc})
 
 

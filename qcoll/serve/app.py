@@ -39,7 +39,7 @@ from starlette.routing import Route
 from ..checks import check_bool, check_int
 from . import admin
 from .batcher import Batcher, BatchConfig, Overloaded
-from .body import MAX_BODY, BadRequest, ClientGone, parse_json, read_body, short_repr
+from .body import MAX_BODY, BadRequest, ClientGone, checked_field, parse_json, read_body, short_repr
 from .runner import Runner
 from .scheduler import SloScheduler
 
@@ -69,15 +69,12 @@ def parse_request(body: bytes, runner: Runner, generate: bool) -> tuple:
     n = 0
     if generate:
         n = doc.get("max_new_tokens", 16)
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_NEW_TOKENS:
-            raise BadRequest(422, f"'max_new_tokens' must be an integer from 1 to {MAX_NEW_TOKENS}, "
-                                  f"got {short_repr(n)}")
+        checked_field(check_int, n, "'max_new_tokens'", minimum=1, maximum=MAX_NEW_TOKENS)
     if len(prompt) + n > runner.max_positions:
         raise BadRequest(422, f"'prompt' has {len(prompt)} tokens" + (f" and max_new_tokens is {n}" if n else "") +
                          f": the model takes at most {runner.max_positions} positions")
     for i, t in enumerate(prompt):
-        if isinstance(t, bool) or not isinstance(t, int):
-            raise BadRequest(422, f"'prompt'[{i}] must be an integer token id, got {short_repr(t)}")
+        checked_field(check_int, t, f"'prompt'[{i}] (a token id)")
         if not 0 <= t < runner.vocab_size:
             raise BadRequest(422, f"'prompt'[{i}] = {short_repr(t)} is not a token id of this model (0 to "
                                   f"{runner.vocab_size - 1})")

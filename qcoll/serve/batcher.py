@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..checks import check_int
+from ..checks import check_int, check_number
 
 #: the most batches that run at once (the worker thread pool's size)
 MAX_WORKERS = 64
@@ -41,9 +41,7 @@ class BatchConfig:
         check_int(self.max_batch_size, "max_batch_size", minimum=1)
         check_int(self.workers, "workers", minimum=1)
         check_int(self.intra_op_threads, "intra_op_threads", minimum=1)
-        t = self.batch_wait_timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 60:
-            raise ValueError(f"batch_wait_timeout_s must be a number of seconds in [0, 60], got {t!r}")
+        check_number(self.batch_wait_timeout_s, "batch_wait_timeout_s (seconds)", minimum=0, maximum=60)
 
     def label(self) -> str:
         return (f"b{self.max_batch_size} t{self.batch_wait_timeout_s * 1e3:g}ms w{self.workers} "

@@ -35,6 +35,15 @@ class BadRequest(ValueError):
         self.status = status
 
 
+def checked_field(check, value, name: str, **bounds):
+    """``check(value, name, **bounds)`` (:func:`qcoll.checks.check_int` / ``check_number``) on a request
+    field: its value, or its error as a 422 naming the field."""
+    try:
+        return check(value, name, **bounds)
+    except ValueError as e:
+        raise BadRequest(422, str(e)) from None
+
+
 class ClientGone(Exception):
     """The client hung up before its body was read whole."""
 

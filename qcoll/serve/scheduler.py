@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from ..checks import check_int
+from ..checks import check_int, check_number
 from ..tune import TUNERS, Knob, OnlinePolicy, Space
 from .batcher import BatchConfig
 
@@ -80,10 +80,8 @@ class SloScheduler:
                  confirm: int = 3, seed: int = 0, tuner_options: dict | None = None,
                  clock=time.monotonic):
         for name, v in (("slo_s", slo_s), ("rate_tolerance", rate_tolerance), ("rate_horizon_s", rate_horizon_s)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
-                raise ValueError(f"{name} must be a positive number, got {v!r}")
-        if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 0 < percentile < 100:
-            raise ValueError(f"percentile must be in (0, 100), got {percentile!r}")
+            check_number(v, name, above=0)
+        check_number(percentile, "percentile", above=0, below=100)
         if tuner not in ("rrl", "random", "tpe"):
             raise ValueError(f"tuner must be 'rrl', 'random' or 'tpe', got {tuner!r}")
         check_int(rate_patience, "rate_patience", minimum=1)
