@@ -79,32 +79,53 @@ def _gpt2():
     return transformers.GPT2LMHeadModel(cfg).eval()
 
 
+def _default_gpt2():
+    """A tiny GPT-2 with Hugging Face's defaults otherwise: use_cache=True, dropout 0.1, training mode."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_gpt2_logits_through_onnxruntime(bits, tmp_path):
-    """A tiny GPT-2 (tied embedding and head) whose parameters are their 256-blocks' codes:
-    torch on the dequantized values vs onnxruntime on the exported codes.
+    """A tiny default GPT-2 (tied embedding and head; use_cache=True, dropout, training mode as
+    built) whose parameters are their 256-blocks' codes, exported with export_onnx's defaults:
+    torch (eval) on the dequantized values vs onnxruntime on the exported codes, at the example's
+    shape and at another batch and length (the default dynamic axes, named as qcoll-serve needs).
 
     The weights are bit-identical in both (the test above), so the logits differ only by the
     kernels' summation order and fusions (onnxruntime fuses LayerNorm, GELU, MatMul+Add): a few
     fp32 ulps per dot product of <= 256 terms, through 2 layers. Observed max |diff| 3e-7 on
     logits of magnitude ~1; the tolerance is 1e-5, 30x that and still 100x below the effect of
     the quantization itself (checked, so a parameter left unquantized or misplaced would fail)."""
-    model = _gpt2()
+    model = _default_gpt2()
+    assert model.training and model.config.use_cache
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    other = torch.randint(0, 128, (3, 5), generator=torch.Generator().manual_seed(3))
     weights = {n: QuantizedWeight.from_tensor(p.detach(), bits, 256) for n, p in model.named_parameters()}
     with torch.no_grad():
-        exact = model(ids).logits
+        model.eval()
+        exact = model(ids, use_cache=False).logits
         for n, p in model.named_parameters():
             p.copy_(weights[n].dequantize())
-        want = model(ids).logits.numpy()
+        want = [model(x, use_cache=False).logits.numpy() for x in (ids, other)]
+        model.train()
     path = tmp_path / "gpt2.onnx"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        proto = export_onnx(model, (ids,), weights, path, input_names=["input_ids"], output_names=["logits"])
-    (got,) = _session(str(path)).run(["logits"], {"input_ids": ids.numpy()})
-    diff = float(np.abs(got - want).max())
-    assert diff <= 1e-5, diff
-    assert float((exact - torch.from_numpy(got)).abs().max()) > 1e-3   # quantization is visible at this tolerance
+        proto = export_onnx(model, (ids,), weights, path)
+    assert model.training and model.config.use_cache   # restored
+    session = _session(str(path))
+    assert [(i.name, i.shape) for i in session.get_inputs()] == [("input_ids", ["batch", "seq"])]
+    assert [o.name for o in session.get_outputs()] == ["logits"]
+    got = [session.run(["logits"], {"input_ids": x.numpy()})[0] for x in (ids, other)]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        diff = float(np.abs(g - w).max())
+        assert diff <= 1e-5, diff
+    assert float((exact - torch.from_numpy(got[0])).abs().max()) > 1e-3   # quantization is visible at this tolerance
 
     # size: the codes (1 or 1/2 byte a value, padding included) and fp32 scales, no float copy of any parameter
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
@@ -121,14 +142,48 @@ def test_gpt2_logits_through_onnxruntime(bits, tmp_path):
     assert size <= expected + 100 * 1024, (size, expected)
 
 
+def test_export_traces_a_default_decoder_and_restores_it(monkeypatch, tmp_path):
+    """What export_onnx hands torch.onnx.export for a default decoder and token ids: the model in
+    eval mode with use_cache off (its cache object is no exportable output), input_ids /
+    logits with dynamic batch and seq axes, a 1 x 1 example repeated to 2 x 2 (torch.export fixes
+    axes of size 1); names or dynamic_shapes given replace the defaults; and the model comes back
+    as it was (training, use_cache) even when the exporter raises."""
+    model = _default_gpt2()
+    weights = {n: QuantizedWeight.from_tensor(p.detach(), 8, 256) for n, p in model.named_parameters()}
+    seen = []
+
+    def failing_export(m, args, **kw):
+        seen.append(dict(training=[x.training for x in m.modules()], use_cache=m.config.use_cache,
+                         shape=tuple(args[0].shape), kw=kw))
+        raise RuntimeError("the exporter failed")
+
+    monkeypatch.setattr(torch.onnx, "export", failing_export)
+    for ids, kw in [(torch.tensor([[5]]), {}), (torch.ones(3, 4, dtype=torch.int64), {"input_names": ["tokens"],
+                                                                                      "dynamic_shapes": None})]:
+        with pytest.raises(RuntimeError, match="the exporter failed"):
+            export_onnx(model, (ids,), weights, tmp_path / "m.onnx", **kw)
+        assert model.config.use_cache and all(m.training for m in model.modules())
+    default, given = seen
+    assert not any(default["training"]) and default["use_cache"] is False
+    assert default["shape"] == (2, 2)
+    assert default["kw"]["input_names"] == ["input_ids"] and default["kw"]["output_names"] == ["logits"]
+    (axes,) = default["kw"]["dynamic_shapes"]
+    assert {a: d.__name__ for a, d in axes.items()} == {0: "batch", 1: "seq"}
+    assert given["shape"] == (3, 4) and given["kw"]["dynamic_shapes"] is None
+    assert given["kw"]["input_names"] == ["tokens"] and given["kw"]["output_names"] == ["logits"]
+    with pytest.raises(ValueError, match=r"example input_ids of shape \(1, 0\)"):
+        export_onnx(model, (torch.zeros(1, 0, dtype=torch.int64),), weights, tmp_path / "m.onnx")
+
+
 class _Folded(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.w = torch.nn.Parameter(torch.randn(8, 64))
         self.b = torch.nn.Parameter(torch.randn(8))
+        self.register_buffer("s", torch.full((8,), 2.0))
 
     def forward(self, x):
-        return torch.nn.functional.linear(x, self.w * 2) + self.b
+        return torch.nn.functional.linear(x, self.w * 2) + self.b * self.s
 
 
 def _export(model, weights, tmp_path, **kw):
@@ -139,7 +194,9 @@ def _export(model, weights, tmp_path, **kw):
 
 def test_unmatched_parameters_raise(tmp_path):
     """A parameter whose codes cannot be placed (the exporter folded it into a new constant, or
-    it has no codes) or a name that is no parameter raises, naming it; never left unquantized."""
+    it has no codes) or a name that is no parameter raises, naming it; never left unquantized.
+    A buffer in plain (qcoll.weights.read's plain tensors include the file's buffers) is taken
+    when it equals the model's, which the graph holds, and raises otherwise."""
     model = _Folded()
     model.w2 = model.w   # tied: one parameter, two names, which must carry the same codes
     weights = {n: QuantizedWeight.from_tensor(p.detach(), 8, 32) for n, p in model.named_parameters()}
@@ -153,8 +210,11 @@ def test_unmatched_parameters_raise(tmp_path):
     other = QuantizedWeight.from_tensor(model.w.detach() * 2, 8, 32)
     with pytest.raises(ValueError, match=r"parameter w \(tied: w2\): its tied names carry different codes"):
         _export(model, {**weights, "w2": other}, tmp_path)
-    # optimize=False keeps the parameters' names: fine; b kept as a plain fp32 value
-    proto = _export(model, {"w": weights["w"], "w2": weights["w"]}, tmp_path, plain={"b": torch.zeros(8)})
+    with pytest.raises(ValueError, match=r"buffer 's': plain holds other values than the model's"):
+        _export(model, {"w": weights["w"]}, tmp_path, plain={"b": torch.zeros(8), "s": torch.ones(8)})
+    # optimize=False keeps the parameters' names: fine; b kept as a plain fp32 value, the buffer s as the model's
+    proto = _export(model, {"w": weights["w"], "w2": weights["w"]}, tmp_path,
+                    plain={"b": torch.zeros(8), "s": model.s.clone()})
     (b,) = [t for t in proto.graph.initializer if t.name == "b"]
     assert onnx.numpy_helper.to_array(b).tolist() == [0.0] * 8
     assert not [t.name for t in proto.graph.initializer if t.name in ("w", "w2")]

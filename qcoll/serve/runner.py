@@ -129,7 +129,7 @@ class TorchRunner(Runner):
 class OnnxRunner(Runner):
     """An onnxruntime session per intra-op thread count (sessions fix it when created)."""
 
-    def __init__(self, path, vocab_size: int | None = None, max_positions: int = 2048):
+    def __init__(self, path, vocab_size: int | None = None, max_positions: int | None = None):
         import onnxruntime as ort
 
         self._ort, self.path = ort, os.fspath(path)
@@ -155,6 +155,9 @@ class OnnxRunner(Runner):
             if len(out) != 3 or not isinstance(out[-1], int):
                 raise ValueError(f"{self.path!r}: the first output has shape {out}, not [batch, seq, vocab]")
             vocab_size = out[-1]
+        if max_positions is None:   # export_onnx records the decoder's; else the longest a server takes here
+            recorded = session.get_modelmeta().custom_metadata_map.get("qcoll.max_positions", "")
+            max_positions = int(recorded) if recorded.isdigit() and int(recorded) > 0 else 2048
         self.vocab_size, self.max_positions = int(vocab_size), int(max_positions)
 
     def _session(self, threads: int):

@@ -181,35 +181,102 @@ def _same(a: QuantizedWeight, b: QuantizedWeight) -> bool:
                       and torch.equal(a.scales.view(torch.int32), b.scales.view(torch.int32)))
 
 
+#: the model property holding the decoder's longest sequence (``config.max_position_embeddings``)
+MAX_POSITIONS_KEY = "qcoll.max_positions"
+
+
 def export_onnx(model: torch.nn.Module, example_inputs: tuple, weights: dict[str, QuantizedWeight], path: str,
                 plain: dict[str, torch.Tensor] | None = None, *, opset: int = 21, **export_kwargs):
     """Export ``model`` to the ONNX file ``path`` with every parameter's codes as ``weights`` holds them.
 
     ``model``'s forward on ``example_inputs`` is traced by ``torch.onnx.export(dynamo=True,
     optimize=False)`` (``export_kwargs`` go to it: ``input_names``, ``output_names``,
-    ``dynamic_shapes``, ...). ``weights`` maps parameter names (``model.named_parameters()``;
-    a tied parameter under any of its names) to their :class:`QuantizedWeight`: codes
-    ``[num_blocks, block_size]`` (INT8, INT4 or INT2) and fp32 scales ``[num_blocks]`` in the
-    file; ``plain`` maps the parameters kept unquantized to their values (stored in the
-    graph's dtype for them). Every parameter must be in exactly one of the two. Parameters
-    the exporter renamed, folded or transposed raise a ValueError naming them. Files over
-    1.5 GiB keep their tensors in ``path + ".data"`` beside it. Returns the ``onnx.ModelProto``.
+    ``dynamic_shapes``, ...), in eval mode and, for a model whose ``config.use_cache`` is set (a
+    Hugging Face decoder's default), with ``use_cache=False``: the forward's output is then its
+    logits, not a cache object the exporter refuses. Both are restored afterwards, also when the
+    export fails. When ``example_inputs`` is one integer ``[batch, seq]`` tensor (a decoder's token
+    ids), the defaults give the file ``qcoll-serve`` serves: input ``input_ids`` with dynamic
+    ``batch`` and ``seq`` axes (``dynamic_shapes``; the example is repeated to at least 2 x 2 for
+    the trace, as torch.export fixes axes of size 1), first output ``logits``; any of
+    ``input_names``, ``output_names``, ``dynamic_shapes`` passed replaces its default.
+
+    ``weights`` maps parameter names (``model.named_parameters()``; a tied parameter under any of
+    its names) to their :class:`QuantizedWeight`: codes ``[num_blocks, block_size]`` (INT8, INT4 or
+    INT2) and fp32 scales ``[num_blocks]`` in the file; ``plain`` maps the parameters kept
+    unquantized to their values (stored in the graph's dtype for them). Every parameter must be in
+    exactly one of the two. ``plain`` may also hold the model's buffers (``qcoll.weights.read``'s
+    plain tensors are parameters and buffers): the graph takes a buffer from the model, so its
+    value there must equal the model's (else a ValueError names it). Parameters the exporter
+    renamed, folded or transposed raise a ValueError naming them. Files over 1.5 GiB keep their
+    tensors in ``path + ".data"`` beside it. Returns the ``onnx.ModelProto``.
     """
     onnx, _ = _require("onnx", "onnxscript")
     groups: dict[int, list[str]] = {}
     for n, prm in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(prm), []).append(n)
-    _match(list(groups.values()), weights, plain or {})   # before the (slow) export
+    plain = _without_buffers(model, plain or {})
+    _match(list(groups.values()), weights, plain)   # before the (slow) export
+    example_inputs = _decoder_defaults(tuple(example_inputs), export_kwargs)
     export_kwargs.setdefault("optimize", False)   # the optimizer folds parameters into new constants
-    program = torch.onnx.export(model, tuple(example_inputs), dynamo=True, opset_version=opset, **export_kwargs)
+    config = getattr(model, "config", None)
+    use_cache = getattr(config, "use_cache", None)
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        if use_cache:   # the forward would return a cache object (DynamicCache), which no exporter takes
+            config.use_cache = False
+        model.eval()
+        program = torch.onnx.export(model, example_inputs, dynamo=True, opset_version=opset, **export_kwargs)
+    finally:
+        if use_cache:
+            config.use_cache = use_cache
+        for m, training in modes:
+            m.training = training
     proto = replace_initializers(program.model_proto, list(groups.values()), weights, plain)
     for node in proto.graph.node:   # the exporter's debug notes (stack traces, fx nodes): 80% of a small file
         node.ClearField("metadata_props")
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if isinstance(positions, int) and positions > 0:   # what a server may accept (qcoll.serve.OnnxRunner)
+        onnx.helper.set_model_props(proto, {**{p.key: p.value for p in proto.metadata_props},
+                                            MAX_POSITIONS_KEY: str(positions)})
     big = sum(len(t.raw_data) for t in proto.graph.initializer) > 1.5 * 2**30
     onnx.save_model(proto, os.fspath(path), save_as_external_data=big, all_tensors_to_one_file=True,
                     location=os.path.basename(os.fspath(path)) + ".data")
     onnx.checker.check_model(os.fspath(path))
     return proto
+
+
+def _without_buffers(model: torch.nn.Module, plain: dict) -> dict:
+    """``plain`` less the model's buffers, each checked to equal the model's (the graph's) value."""
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    for key, value in plain.items():
+        if key in buffers:
+            b = buffers[key]
+            if tuple(value.shape) != tuple(b.shape) or not torch.equal(value.detach().to(b.device, b.dtype), b):
+                raise ValueError(f"buffer {key!r}: plain holds other values than the model's, which the graph "
+                                 "takes (load the file into the model first: qcoll.weights.load_quantized)")
+    return {k: v for k, v in plain.items() if k not in buffers}
+
+
+def _decoder_defaults(example_inputs: tuple, export_kwargs: dict) -> tuple:
+    """For one integer ``[batch, seq]`` example (token ids): the names and dynamic axes that
+    ``qcoll-serve`` (``OnnxRunner``) needs, set in ``export_kwargs`` unless given; returns the example
+    to trace, repeated to at least 2 x 2 when dynamic axes are defaulted."""
+    ids = example_inputs[0] if len(example_inputs) == 1 else None
+    if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_floating_point()
+            and not ids.is_complex() and ids.dtype != torch.bool):
+        return example_inputs
+    export_kwargs.setdefault("input_names", ["input_ids"])
+    export_kwargs.setdefault("output_names", ["logits"])
+    if "dynamic_shapes" in export_kwargs or "dynamic_axes" in export_kwargs:
+        return example_inputs
+    batch, seq = ids.shape
+    if not batch or not seq:
+        raise ValueError(f"example input_ids of shape {tuple(ids.shape)}: the trace needs at least one token")
+    # torch.export specializes an axis of size 1 (a named Dim then fails the export; Dim.DYNAMIC
+    # gives a graph that breaks at other sizes): the trace runs on >= 2 prompts of >= 2 tokens
+    ids = ids.repeat(1 if batch > 1 else 2, 1 if seq > 1 else 2)
+    export_kwargs["dynamic_shapes"] = ({0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")},)
+    return (ids,)
 
 
 __all__ = ["export_onnx", "replace_initializers", "dequantize_nodes"]
