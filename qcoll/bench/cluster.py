@@ -29,6 +29,8 @@ the run's JSON then lists the changes made (``rate_changes``).
 ``train`` also reports per mode the bytes per timed step (``link_bytes_per_step``), ``generate``
 the bytes of the first forward and per token after it (``link_bytes_first_forward``,
 ``link_bytes_per_token_after_first``).
+Progress: the ranks' output goes to files; rank 0's plain progress lines (:mod:`qcoll.bench.progress`)
+are forwarded to stderr as they appear (``QCOLL_PROGRESS=0`` turns them off).
 Needs root and iproute2; refuses with exit code 2 otherwise.
 """
 from __future__ import annotations
@@ -43,7 +45,7 @@ import sys
 import tempfile
 import time
 
-from . import cli, link_schedule, netns
+from . import cli, link_schedule, netns, progress
 from .ranks import RankFailed, _on_sigterm, _restore_signal, _set_signal
 from .linkmeter import ENV as METER_ENV
 
@@ -157,6 +159,12 @@ def _rank_env(net: netns.Network, rank: int, world: int, per_node: int) -> dict:
                GLOO_SOCKET_IFNAME=net.ifname, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)),
                PYTHONUNBUFFERED="1")
     env[METER_ENV] = net.meter().env_value()
+    # the ranks write to files: plain progress lines (forwarded by _Forward), or none when the user turned it off
+    env.pop(progress.STARTED_ENV, None)
+    if progress.style(sys.stderr) == "off":
+        env["QCOLL_PROGRESS"] = "0"
+    else:
+        env.pop("QCOLL_PROGRESS", None)
     return env
 
 
@@ -198,7 +206,11 @@ def run_on_cluster(inner: list[str], nodes: int, per_node: int, rate: int | None
                                               start_new_session=True))
                 out.close()
                 err.close()
-            _wait(procs, tmp, timeout)
+            forward = _Forward(os.path.join(tmp, "rank0.err"), inner[0], world)
+            try:
+                _wait(procs, tmp, timeout, forward.poll)
+            finally:
+                forward.poll()
             seconds = time.perf_counter() - t0
             total, per = netns.counter_delta(before, net.counters())
             with open(result_path) as f:
@@ -229,10 +241,47 @@ def _tail(path: str, lines: int = 30) -> str:
     return "\n".join(text[-lines:])
 
 
-def _wait(procs: list[subprocess.Popen], tmp: str, timeout: float) -> None:
-    """Wait for every rank; on the first failure (or the timeout) raise :class:`RankFailed`."""
+class _Forward:
+    """Rank 0's progress lines of ``command`` (:func:`qcoll.bench.progress.is_line`), read from its stderr file
+    as they are written and printed on this process's stderr; its other output stays in the file. Until the
+    first one, a line of this command's every ``interval`` seconds (the ranks' start-up takes seconds)."""
+
+    def __init__(self, path: str, command: str, ranks: int = 0, interval: float = progress.INTERVAL_S,
+                 clock=time.monotonic):
+        self.path, self.command, self.ranks = path, command, ranks
+        self.offset, self.partial = 0, b""
+        self.quiet = progress.style(sys.stderr) == "off"
+        self.interval, self.clock = interval, clock
+        self.start = self.last = clock()
+        self.seen = False
+
+    def poll(self) -> None:
+        if not self.seen and not self.quiet and self.clock() - self.last >= self.interval:
+            self.last = self.clock()
+            print(progress.line(NAME, f"{self.command} starting on {self.ranks} ranks, {self.last - self.start:.0f} s"),
+                  file=sys.stderr, flush=True)
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        for raw in lines:
+            text = raw.decode(errors="replace").rstrip("\r")
+            if progress.is_line(text, self.command):
+                self.seen = True
+                print(text, file=sys.stderr, flush=True)
+
+
+def _wait(procs: list[subprocess.Popen], tmp: str, timeout: float, poll=None) -> None:
+    """Wait for every rank; on the first failure (or the timeout) raise :class:`RankFailed`.
+    ``poll()``, when given, runs at every check (every 0.2 s)."""
     deadline = time.monotonic() + timeout
     while True:
+        if poll is not None:
+            poll()
         codes = [p.poll() for p in procs]
         failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:

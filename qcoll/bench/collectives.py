@@ -111,7 +111,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--min {format_size(args.min)} is below one fp32 element per rank ({4 * world} bytes "
                      f"for {world} ranks)")
     args.bits = list(dict.fromkeys(args.bits))
-    run_ranks(_rank_main, args, args.nproc, args.ranks_per_node)
+    with progress_bar.starting(NAME, world):
+        run_ranks(_rank_main, args, args.nproc, args.ranks_per_node)
     return 0
 
 
@@ -312,7 +313,8 @@ def run(args) -> list[dict]:
     sizes = sweep(args.min, args.max, args.factor)
     total = sum(step_weight(4 * (s // (4 * topo.world_size)) * topo.world_size) for s in sizes)
     rows = []
-    with progress_bar.bar(total * variants_per_point(args), enabled=None if topo.rank == 0 else False) as progress:
+    # rank 0's progress: a bar on a terminal, plain lines elsewhere (qcoll.bench.progress.sweep)
+    with progress_bar.sweep(total * variants_per_point(args), NAME, enabled=topo.rank == 0) as progress:
         for size in sizes:
             point = _Point(args, topo, size, progress)
             rows += point.gather_rows()

@@ -52,7 +52,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import cli
+from . import cli, progress
 from .ranks import run_ranks
 from .hf_decoder import add_cache_option, add_model_options, build_decoder, cache_bytes, check_command
 from .linkmeter import LinkWindow, summed
@@ -85,7 +85,8 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     check_command(parser, args)
-    run_ranks(_rank_main, args, args.nproc, args.ranks_per_node)
+    with progress.starting(NAME, args.world):
+        run_ranks(_rank_main, args, args.nproc, args.ranks_per_node)
     return 0
 
 
@@ -162,8 +163,11 @@ class _ForwardMeter:
 
 
 # ---------------------------------------------------------------------------- ranks
-def _run_mode(args, mode: str, topo, plain, prompt, link: LinkWindow, references: dict) -> dict:
+def _run_mode(args, mode: str, topo, plain, prompt, link: LinkWindow, references: dict, prog=None) -> dict:
+    """One mode's generations; ``prog`` (a :class:`qcoll.bench.progress.Steps`) counts them as they finish."""
     from .. import zero
+
+    done = prog.step if prog is not None else (lambda: None)
 
     quantized, in_mode = MODES[mode]
     config = _config(args, mode)
@@ -186,13 +190,16 @@ def _run_mode(args, mode: str, topo, plain, prompt, link: LinkWindow, references
     for _ in range(args.warmup):
         with scope():
             _generate(model, prompt, min(args.tokens, WARMUP_TOKENS))
+        done()
     with link.window() as first, scope():
         _generate(model, prompt, 1)
+    done()
     times, outputs = [], []
     for _ in range(args.iters):
         meter = None if in_mode else _ForwardMeter(model)
         with link.window() as box, scope() as gen:
             outputs.append(_generate(model, prompt, args.tokens))
+        done()
         if meter is not None:
             meter.remove()
             gen = meter.stats
@@ -228,6 +235,27 @@ def _rank_main(args) -> None:
     from ..comm import Topology
 
     topo = Topology(args.ranks_per_node)
+    with progress.Steps(NAME, enabled=topo.rank == 0) as prog:
+        runs, plain, unsharded_tps, together_tps = _run_modes(args, topo, prog)
+    for r in runs:
+        r["vs_unsharded"] = r["tokens_per_s"] / together_tps
+    if topo.rank != 0:
+        return
+    params = sum(p.numel() for p in plain.parameters())
+    print(format_table(runs, unsharded_tps, together_tps, args, params, topo), flush=True)
+    if args.json:
+        cli.write_json(args.json, {
+            "command": NAME, "world": topo.world_size, "ranks_per_node": topo.ranks_per_node,
+            "args": {k: getattr(args, k) for k in ("modes", "weight_bits", "tokens", "prompt_len", "arch", "layers",
+                                                    "d_model", "heads", "vocab", "seed", "warmup", "iters")},
+            "model": {"arch": args.arch, "params": params}, "unsharded_tokens_per_s": unsharded_tps,
+            "unsharded_all_ranks_tokens_per_s": together_tps, "runs": runs})
+
+
+def _run_modes(args, topo, prog) -> tuple[list[dict], torch.nn.Module, float | None, float]:
+    """The unsharded references and floors, then every mode (each a run of its generations in ``prog``):
+    (runs, the plain model, rank 0's unsharded tokens/s or None, every rank's at once)."""
+    prog.begin("the unsharded model (reference, compute floor)")
     plain = build_model(args)
     prompt = _prompt(args)
     link = LinkWindow(topo.rank)
@@ -244,25 +272,15 @@ def _rank_main(args) -> None:
         _generate(plain, prompt, args.tokens)          # floor, sharing the cores as the sharded modes do
     together_tps = args.tokens / together["seconds"]
     runs = []
-    for mode in args.modes:
-        if topo.rank == 0:
-            print(f"... {mode}", flush=True)
-        runs.append(_run_mode(args, mode, topo, plain, prompt, link, references))
+    for k, mode in enumerate(args.modes, 1):
+        label = f"{mode} ({k}/{len(args.modes)})" if len(args.modes) > 1 else mode
+        prog.begin(label, args.warmup + 1 + args.iters, unit="generation")
+        runs.append(_run_mode(args, mode, topo, plain, prompt, link, references, prog))
+        prog.end()
     base = next((r for r in runs if r["mode"] == "zero3"), None)
     for r in runs:
         r["speedup_vs_zero3"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
-        r["vs_unsharded"] = r["tokens_per_s"] / together_tps
-    if topo.rank != 0:
-        return
-    params = sum(p.numel() for p in plain.parameters())
-    print(format_table(runs, unsharded_tps, together_tps, args, params, topo), flush=True)
-    if args.json:
-        cli.write_json(args.json, {
-            "command": NAME, "world": topo.world_size, "ranks_per_node": topo.ranks_per_node,
-            "args": {k: getattr(args, k) for k in ("modes", "weight_bits", "tokens", "prompt_len", "arch", "layers",
-                                                    "d_model", "heads", "vocab", "seed", "warmup", "iters")},
-            "model": {"arch": args.arch, "params": params}, "unsharded_tokens_per_s": unsharded_tps,
-            "unsharded_all_ranks_tokens_per_s": together_tps, "runs": runs})
+    return runs, plain, unsharded_tps, together_tps
 
 
 def _num(v, fmt: str = ".0f") -> str:

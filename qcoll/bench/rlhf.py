@@ -37,7 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import cli
+from . import cli, progress
 from .hf_decoder import add_cache_option, add_model_options, build_decoder, cache_bytes, check_command
 from .linkmeter import LinkWindow, summed
 from .ranks import run_ranks
@@ -79,7 +79,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if not value >= 0 or value == float("inf") or (name != "kl_coef" and value == 0):
             parser.error(f"--{name.replace('_', '-')} must be a finite {'non-negative' if name == 'kl_coef' else 'positive'}"
                          f" number, got {value}")
-    run_ranks(_rank_main, args, args.nproc, args.ranks_per_node)
+    with progress.starting(NAME, args.world):
+        run_ranks(_rank_main, args, args.nproc, args.ranks_per_node)
     return 0
 
 
@@ -127,7 +128,8 @@ def _iteration(args, it: int, rank: int, actor, ref, opt, scope) -> tuple[_Parts
     return parts, {"sequences": sequences, "reward": float(exp.reward.mean()), "loss": losses[-1], "gen": gen}
 
 
-def _run_mode(args, mode: str, topo, plain, link: LinkWindow) -> tuple[dict, list]:
+def _run_mode(args, mode: str, topo, plain, link: LinkWindow, prog=None) -> tuple[dict, list]:
+    """One mode's iterations; ``prog`` (a :class:`qcoll.bench.progress.Steps`) counts them as they finish."""
     from .. import zero
 
     config = _config(args, mode)
@@ -145,6 +147,8 @@ def _run_mode(args, mode: str, topo, plain, link: LinkWindow) -> tuple[dict, lis
     for it in range(args.warmup + args.iters):
         with link.window() as box:
             parts, out = _iteration(args, it, topo.rank, actor, ref, opt, scope)
+        if prog is not None:
+            prog.update(it + 1)
         sequences.append(out["sequences"])
         if it < args.warmup:
             continue
@@ -177,11 +181,13 @@ def _rank_main(args) -> None:
     plain = build_decoder(args, args.prompt_len + args.rollout_tokens + 8)
     link = LinkWindow(topo.rank)
     runs, rollouts = [], {}
-    for mode in args.modes:
-        if topo.rank == 0:
-            print(f"... {mode}", flush=True)
-        run, rollouts[mode] = _run_mode(args, mode, topo, plain, link)
-        runs.append(run)
+    with progress.Steps(NAME, enabled=topo.rank == 0) as prog:
+        for k, mode in enumerate(args.modes, 1):
+            prog.begin(f"{mode} ({k}/{len(args.modes)})" if len(args.modes) > 1 else mode, args.warmup + args.iters,
+                       unit="iteration")
+            run, rollouts[mode] = _run_mode(args, mode, topo, plain, link, prog)
+            prog.end()
+            runs.append(run)
     base = next((r for r in runs if r["mode"] == "zero3"), None)
     same = None
     if "zeropp" in rollouts and "zeropp-gen" in rollouts:

@@ -1,5 +1,7 @@
 """``qcoll-bench serve``'s run (:mod:`.serve` has its options and docs): imported only when the
-command runs, since it needs the ``serve`` extra (uvicorn, starlette, aiohttp)."""
+command runs, since it needs the ``serve`` extra (uvicorn, starlette, aiohttp). Progress (stderr;
+:mod:`qcoll.bench.progress`): each offline table a run of its configurations, each run of the
+trace a run of the trace's seconds."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +17,7 @@ import numpy as np
 
 from ..serve.batcher import BatchConfig
 from ..serve.scheduler import serve_space
-from . import cli
+from . import cli, progress
 from .ranks import _free_port
 from .serve_load import arrivals, parse_trace, rate_at, run_load
 from .serve_model import write_model
@@ -30,7 +32,7 @@ class ServerProcess:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "qcoll.serve.cli", model, "--config", config,
-                                      "--port", str(self.port), *extra])
+                                      "--port", str(self.port), "--admin", *extra])   # on 127.0.0.1: no token
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -84,12 +86,16 @@ def _rates(trace) -> list[float]:
     return sorted(r for r in rates if r > 0)
 
 
-def offline_tables(args, files, space, body) -> dict:
-    """Per rate: every configuration's client-side p95 (s) and violation rate, static, one server."""
+def offline_tables(args, files, space, body, prog: progress.Steps | None = None) -> dict:
+    """Per rate: every configuration's client-side p95 (s) and violation rate, static, one server;
+    ``prog``: the command's progress (each rate a run of the space's configurations)."""
+    prog = prog if prog is not None else progress.Steps(args.command, enabled=False)
     tables = {}
+    prog.begin("offline tables: starting qcoll-serve")
     with ServerProcess(*files, "--tuner", "none", "--slo-ms", str(args.slo_ms)) as server:
         rates = [float(r) for r in args.rates.split(",")] if args.rates else _rates(args.trace_segments)
-        for rate in rates:
+        for k, rate in enumerate(rates, 1):
+            prog.begin(f"offline table at {rate:g}/s ({k}/{len(rates)})", len(space), unit="configuration")
             rows = []
             for n, point in enumerate(space.points()):
                 config = space.config(point)
@@ -101,7 +107,9 @@ def offline_tables(args, files, space, body) -> dict:
                 p95 = float(np.percentile(np.where(ok, lat, np.inf), 95)) if keep.any() else float("inf")
                 rows.append({"point": list(point), "config": BatchConfig(**config).label(), "p95_s": p95,
                              "violations": float(np.mean(~ok | (lat > args.slo_ms / 1e3)))})
-                print(f"offline {rate:g}/s {rows[-1]['config']}: p95 {p95 * 1e3:.1f} ms", file=sys.stderr, flush=True)
+                prog.write(f"offline {rate:g}/s {rows[-1]['config']}: p95 {p95 * 1e3:.1f} ms")
+                prog.update(n + 1)
+            prog.end()
             tables[rate] = rows
     return tables
 
@@ -153,18 +161,25 @@ def _switcher(server, space, tables, trace, start_time):
     return thread
 
 
-def run_trace(args, files, space, body, name: str, tables: dict | None) -> dict:
+def run_trace(args, files, space, body, name: str, tables: dict | None, prog: progress.Steps | None = None,
+              label: str | None = None) -> dict:
+    """Run ``name`` on the trace; ``prog``: the command's progress (the run: the trace's seconds, as played)."""
+    prog = prog if prog is not None else progress.Steps(args.command, enabled=False)
+    label = label or name
     times = arrivals(args.trace_segments, args.load_seed)
     d = BatchConfig()
     common = ["--slo-ms", str(args.slo_ms), "--window", str(args.window), "--batch-sizes", args.batch_sizes,
               "--timeouts-ms", args.timeouts_ms, "--max-batch-size", str(d.max_batch_size),
               "--batch-wait-ms", str(d.batch_wait_timeout_s * 1e3)]
     tuner = name if name in ("rrl", "random", "tpe") else "none"
+    prog.begin(f"{label}: starting qcoll-serve")
     with ServerProcess(*files, "--tuner", tuner, *common) as server:
         cpu0 = server.cpu_seconds()
         if name == "oracle":
             _switcher(server, space, tables, args.trace_segments, time.monotonic() + 0.2)
+        prog.begin(f"{label}: trace", round(sum(s.seconds for s in args.trace_segments)), unit="s", timed=True)
         out = run_load(server.url + "/v1/generate", times, body)
+        prog.end()
         out["server_cpu_s"] = server.cpu_seconds() - cpu0
         metrics = server.get("/metrics")
     return summarize(name, args, times, out, metrics, tables, space)
@@ -182,12 +197,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.tables and not os.path.isfile(args.tables):
         parser.error(f"--tables {args.tables}: no such file")
     body = _body(args)
-    with tempfile.TemporaryDirectory(prefix="qcoll-serve-bench-") as folder:
+    with progress.Steps(args.command) as prog, tempfile.TemporaryDirectory(prefix="qcoll-serve-bench-") as folder:
+        prog.begin("writing the model")
         positions = args.prompt_len + args.new_tokens + 8
         files = write_model(folder, args, positions)
-        tables = load_tables(args.tables, space) if args.tables else offline_tables(args, files, space, body)
-        results = [run_trace(args, files, space, body, name, tables) for name in args.runs]
-    replayed = replay_on_tables(args, space, tables) if args.replay_seeds else None
+        tables = load_tables(args.tables, space) if args.tables else offline_tables(args, files, space, body, prog)
+        results = []
+        for k, name in enumerate(args.runs, 1):
+            label = f"{name} ({k}/{len(args.runs)})" if len(args.runs) > 1 else name
+            results.append(run_trace(args, files, space, body, name, tables, prog, label))
+        if args.replay_seeds:
+            prog.begin(f"replay on the offline tables, {args.replay_seeds} seeds")
+        replayed = replay_on_tables(args, space, tables) if args.replay_seeds else None
     print(format_table(results, args))
     if replayed:
         print(format_replay(replayed, args))

@@ -44,6 +44,7 @@ JSON (``--json FILE``): ``{"command": "train", "world", "ranks_per_node", "args"
 "best_peer", "speedup_vs_best_peer", "memory": {...}, "samples_to_target", "time_to_target_s",
 "steps_to_target"}]}``. ``--plot FILE.png``:
 loss curves (with ``--adaptive-batch`` also the batch and the cosine per step).
+Progress (stderr, rank 0; :mod:`qcoll.bench.progress`): each mode a run of ``--steps`` steps.
 
 ``--adaptive-batch TARGET`` trains each mode with SimiGrad's adaptive batch
 (:mod:`qcoll.bench.adaptive`): ``--batch`` is then the global micro-batch, the
@@ -61,7 +62,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from . import adaptive, cli, fsdp_runs, train_auto
+from . import adaptive, cli, fsdp_runs, progress, train_auto
 from .collcount import CollectiveCounter
 from .link_schedule import ProgressWriter
 from .linkmeter import LinkMeter
@@ -154,8 +155,14 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--stop-at-target needs --target-loss")
     if args.target_loss is not None and args.loss_window > args.steps:
         parser.error(f"--loss-window {args.loss_window} must not exceed --steps {args.steps}")
-    run_ranks(_rank_main, args, args.nproc, args.ranks_per_node)
+    with progress.starting(NAME, world):
+        run_ranks(_rank_main, args, args.nproc, args.ranks_per_node)
     return 0
+
+
+def reporter(args) -> progress.Steps | None:
+    """The command's progress (:class:`qcoll.bench.progress.Steps`, set by ``_rank_main``), or None."""
+    return getattr(args, "reporter", None)
 
 
 def build_model(args):
@@ -193,6 +200,8 @@ def _steps(args, model, optimizer, rank, world, loss_fn=None):
         step_start.append(counter.snapshot())
 
     def after_step(i, losses):
+        if reporter(args) is not None:
+            reporter(args).update(i + 1)
         traffic.append((stats.stats.intra_bytes, stats.stats.inter_bytes))
         blocked.append(dict(stats.stats.blocked_seconds))
         # every rank holds the same losses: the same decision
@@ -282,11 +291,25 @@ def _rank_main(args) -> None:
 
     topo = Topology(args.ranks_per_node)
     args.link_progress = ProgressWriter(topo.rank)
+    modes = list(args.modes) + list(args.peer) + [train_auto.PREFIX + t for t in args.auto]
+    with progress.Steps(NAME, enabled=topo.rank == 0) as prog:
+        args.reporter = prog
+        try:
+            runs = _run_modes(args, modes, topo, prog)
+        finally:
+            del args.reporter
+    _report(args, runs, topo)
+
+
+def _run_modes(args, modes: list[str], topo, prog: progress.Steps) -> list[dict]:
+    """Every mode in turn (its progress reported as a run of ``--steps`` steps); the runs' records."""
     tokens = args.batch * args.context
     runs = []
-    for mode in list(args.modes) + list(args.peer) + [train_auto.PREFIX + t for t in args.auto]:
+    for k, mode in enumerate(modes, 1):
+        prog.begin(f"{mode} ({k}/{len(modes)})" if len(modes) > 1 else mode, args.steps)
         if args.adaptive_batch is not None:
             runs.append(_adaptive_run(args, mode, topo))
+            prog.end()
             continue
         record = None
         if mode in fsdp_runs.RUNS:
@@ -295,6 +318,7 @@ def _rank_main(args) -> None:
             run, record = train_auto.run(args, mode, topo, _run_qcoll)
         else:
             run = _run_qcoll(args, mode, topo)
+        prog.end()
         losses, seconds, intra, inter, link, memory, times, colls, profile = run
         samples, wall, steps = adaptive.to_target(losses, [args.batch] * len(losses), times, args.target_loss,
                                                   args.loss_window)
@@ -306,6 +330,11 @@ def _rank_main(args) -> None:
                      "collectives_by_op": colls[2], "where_time_goes": profile, "step_seconds": times})
         if record is not None:
             runs[-1]["auto"] = record
+    return runs
+
+
+def _report(args, runs: list[dict], topo) -> None:
+    """The comparisons between the runs (every rank), then rank 0's tables, JSON and plot."""
     if args.auto:
         train_auto.summarize(runs, args.settle)
     base = next((r for r in runs if r["mode"] == "zero3"), None)
@@ -344,9 +373,17 @@ def _rank_main(args) -> None:
 
 
 def _adaptive_run(args, mode, topo) -> dict:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
     model = build_model(args)
     config = {**mode_config(args, mode), "reshard_after_backward": not args.keep_gathered}
-    rec = adaptive.run(args, config, topo, model, model_units(args, model))
+    # adaptive.run's loop has no hook: its steps are counted at the optimizer's step (one per adaptive step)
+    counted = register_optimizer_step_post_hook(
+        lambda *_: reporter(args).step() if reporter(args) is not None else None)
+    try:
+        rec = adaptive.run(args, config, topo, model, model_units(args, model))
+    finally:
+        counted.remove()
     seconds = statistics.median(rec["seconds"][args.warmup:] or rec["seconds"])
     samples, wall, steps = adaptive.to_target(rec["losses"], rec["batches"], rec["seconds"], args.target_loss,
                                               args.loss_window)

@@ -69,13 +69,20 @@ def run(args, mode: str, topo, run_qcoll):
         tuners.append(auto)
         # after train's memory hook: both before zero_grad (the gradients count in the error budget)
         opt.register_step_post_hook(lambda *_: auto.update())
-        return lambda: (labels.append(auto.label), phases.append(auto.phase))
+        return lambda: (labels.append(auto.label), phases.append(auto.phase), _show(args, auto))
 
     result = run_qcoll(args, "zeropp", topo, attach)
     (auto,) = tuners
     record = {"labels": labels, "phases": phases, "switches": auto.switches, "decision_bytes": auto.decision_bytes,
               "final": auto.label, "explorations": auto.policy.explorations if auto.policy else None}
     return result, record
+
+
+def _show(args, auto) -> None:
+    """Name the configuration the step runs in the command's progress (rank 0's; ``train``'s ``args.reporter``)."""
+    reporter = getattr(args, "reporter", None)
+    if reporter is not None:
+        reporter.note(f"{auto.label}, {auto.phase}")
 
 
 def _slowest(values: list[float]) -> list[float]:

@@ -13,7 +13,8 @@ Three ways to run:
   of the table's best.
 A configuration is feasible when its mean loss over the last 3 steps is at most
 ``1 + --max-loss-increase`` times the unquantized configuration's (ZeRO-3, measured first).
-Works inside ``qcoll-bench cluster`` (live and ``--record``).
+Works inside ``qcoll-bench cluster`` (live and ``--record``). Progress (stderr, rank 0;
+:mod:`qcoll.bench.progress`): each measurement a run of ``--steps`` steps; a replay a run of its own.
 """
 from __future__ import annotations
 
@@ -74,14 +75,18 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--warmup {args.warmup} must leave at least 3 timed steps of --steps {args.steps}")
     if not args.max_loss_increase >= 0:
         parser.error(f"--max-loss-increase must be >= 0, got {args.max_loss_increase}")
-    run_ranks(_rank_main, args, args.nproc, args.ranks_per_node)
+    with progress.starting(NAME, world):
+        run_ranks(_rank_main, args, args.nproc, args.ranks_per_node)
     return 0
 
 
 def _measure(args, topo, config: dict) -> tuple[float, float]:
-    """(median step seconds after --warmup, mean loss of the last 3 steps) of one configuration."""
+    """(median step seconds after --warmup, mean loss of the last 3 steps) of one configuration; its steps
+    are counted in ``args.reporter`` (the command's progress, set by ``_rank_main``) where there is one."""
     from .. import zero
     from ..testing import Batches, stdlib_bytes, train_steps
+
+    reporter = getattr(args, "reporter", None)
 
     model = train.build_model(args)
     m = zero.shard(model, topo, zero.ZeroConfig(**config), units=model.units())
@@ -89,27 +94,44 @@ def _measure(args, topo, config: dict) -> tuple[float, float]:
     batches = Batches(stdlib_bytes(), args.batch, args.context, args.seed + 1)
     times = []
     losses = train_steps(m, opt, batches, args.steps, rank=topo.rank, world=topo.world_size,
-                         before_step=lambda i: dist.barrier(), step_seconds=times)
+                         before_step=lambda i: dist.barrier(), step_seconds=times,
+                         after_step=lambda i, _: reporter.update(i + 1) if reporter is not None else None)
     slowest = torch.tensor([statistics.median(times[args.warmup:])], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return float(slowest), sum(losses[-3:]) / 3
 
 
 def _rank_main(args) -> None:
-    from .. import tune
     from ..comm import Topology
 
     topo = Topology(args.ranks_per_node)
+    with progress.Steps(NAME, enabled=topo.rank == 0) as prog:
+        args.reporter = prog
+        try:
+            _search(args, topo, prog)
+        finally:
+            del args.reporter
+
+
+def _search(args, topo, prog: progress.Steps) -> None:
+    """ZeRO-3's reference loss, then ``--record``'s every configuration or the live search (each
+    measurement a run of ``prog``), then the results (rank 0)."""
+    from .. import tune
+
     sp = space()
     reference_point = tuple(k.values.index(v) for k, v in zip(sp.knobs, (None, None, False, 0)))
+    prog.begin("ZeRO-3 (the reference loss)", args.steps)
     _, reference_loss = _measure(args, topo, sp.config(reference_point))
+    prog.end()
     limit = reference_loss * (1 + args.max_loss_increase)
     measured, losses = {}, {}
 
-    def measure(config):
+    def measure(config, label):
         point = tuple(k.values.index(config[k.name]) for k in sp.knobs)
         if point not in measured:
+            prog.begin(f"{label}: {tune.zero_config_line(config)}", args.steps)
             seconds, loss = _measure(args, topo, config)
+            prog.end()
             measured[point], losses[point] = (seconds, loss <= limit), loss
             if topo.rank == 0:
                 print(f"{tune.zero_config_line(config)}: {seconds * 1e3:.1f} ms/step, loss {loss:.4f} "
@@ -117,12 +139,9 @@ def _rank_main(args) -> None:
         return measured[point]
 
     if args.record:
-        with progress.bar(len(sp), enabled=None if topo.rank == 0 else False) as pbar:
-            for point in sp.points():
-                pbar.set_postfix_str(tune.zero_config_line(sp.config(point)), refresh=False)
-                pbar.update(0)
-                measure(sp.config(point))
-                pbar.update(1)
+        for k, point in enumerate(sp.points(), 1):
+            measure(sp.config(point), f"configuration {k}/{len(sp)}")
+        prog.close()
         if topo.rank == 0:
             cli.write_json(args.record, table_doc(tune.Table(sp, measured)))
             if args.json:
@@ -131,18 +150,16 @@ def _rank_main(args) -> None:
                                                     for p, (c, f) in measured.items()]})
         return
     tuner = tune.TUNERS[args.tuner](sp, seed=args.seed)
-    with progress.bar(args.budget, enabled=None if topo.rank == 0 else False) as pbar:
-        for _ in range(args.budget):
-            box = [tuner.ask() if topo.rank == 0 else None]
-            dist.broadcast_object_list(box, src=0)   # every rank measures what rank 0's tuner chose
-            pbar.set_postfix_str(tune.zero_config_line(sp.config(box[0])), refresh=False)
-            pbar.update(0)
-            cost, feasible = measure(sp.config(box[0]))
-            if topo.rank == 0:
-                tuner.tell(box[0], cost, feasible)
-            pbar.update(1)
+    for trial in range(1, args.budget + 1):
+        box = [tuner.ask() if topo.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)   # every rank measures what rank 0's tuner chose
+        cost, feasible = measure(sp.config(box[0]), f"trial {trial}/{args.budget}")
+        if topo.rank == 0:
+            tuner.tell(box[0], cost, feasible)
     default = {"weight_bits": 8, "grad_bits": 4, "hpz": True, "prefetch": 1}   # ZeroConfig()'s values
+    prog.begin("ZeroConfig()'s defaults", args.steps)
     default_seconds, default_loss = _measure(args, topo, default)                 # side by side, same run
+    prog.close()
     if topo.rank == 0:
         _report_best(sp, tuner, losses, args, (default, default_seconds, default_loss), reference_loss)
 
@@ -189,12 +206,17 @@ def _replay(args, parser) -> int:
             tables.append(tune.Table.load(path))
         except (OSError, ValueError, KeyError, TypeError) as e:
             parser.error(f"--replay {path}: not a recorded table ({e})")
-    doc = {"command": NAME, "replay": args.replay, "tuners": tune.replay(tables[0], args.tuners, seeds=args.seeds)}
+    with progress.Steps(NAME) as prog:
+        prog.begin(f"replay of {args.replay[0]}: {' '.join(args.tuners)}, {args.seeds} seeds each")
+        doc = {"command": NAME, "replay": args.replay, "tuners": tune.replay(tables[0], args.tuners, seeds=args.seeds)}
     for name, r in doc["tuners"].items():
         print(f"{name:>10}: median {r['median']} trials to within 5% of the best (seeds: {r['trials']})")
     if len(tables) == 2:
         try:
-            doc["change"] = tune.replay_change(tables[0], tables[1], args.switch_after, args.tuners, seeds=args.seeds)
+            with progress.Steps(NAME) as prog:
+                prog.begin(f"replay of the change to {args.replay[1]} after {args.switch_after} trials")
+                doc["change"] = tune.replay_change(tables[0], tables[1], args.switch_after, args.tuners,
+                                                   seeds=args.seeds)
         except ValueError as e:
             parser.error(f"--replay: {e}")
         for name, r in doc["change"].items():
