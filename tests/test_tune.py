@@ -88,11 +88,12 @@ def test_replay_round_trips_a_table_and_counts_trials(tmp_path):
 def test_config_lines_and_deepspeed_mapping():
     cfg = {"weight_bits": 8, "grad_bits": 4, "hpz": True, "prefetch": 2}
     assert tune.zero_config_line(cfg) == "ZeroConfig(weight_bits=8, grad_bits=4, hpz=True, prefetch=2)"
-    ds = tune.deepspeed_json(cfg)
+    ds = tune.deepspeed_json(cfg, 2)
     assert ds["zero_optimization"]["zero_quantized_weights"] is True
     assert ds["zero_optimization"]["zero_quantized_gradients"] is True
-    assert ds["unmapped"] == ["prefetch=2"]
-    assert tune.deepspeed_json({"weight_bits": 4})["unmapped"] == ["weight_bits=4"]
+    assert ds["zero_optimization"]["zero_hpz_partition_size"] == 2
+    assert ds["qcoll"] == {"prefetch": 2, "hpz_partition_size": None}   # what DeepSpeed has no key for
+    assert tune.deepspeed_json({"weight_bits": 4}, 2)["qcoll"]["weight_bits"] == 4
 
 
 def test_bad_arguments():
@@ -167,9 +168,11 @@ def test_cli_live_search_reports_the_best_beside_the_defaults(tmp_path):
     import subprocess
     import sys
 
+    import qcoll
+
     argv = ["tune", "--nproc", "4", "--ranks-per-node", "2", "--budget", "3", "--steps", "4", "--warmup", "1",
             "--batch", "4", "--context", "16", "--d-model", "32", "--layers", "1", "--heads", "2",
-            "--json", str(tmp_path / "t.json")]
+            "--json", str(tmp_path / "t.json"), "--emit-config", str(tmp_path / "ds.json")]
     env = dict(os.environ, PYTHONWARNINGS="ignore", QCOLL_PROGRESS="0")
     env.pop("RANK", None)
     p = subprocess.run([sys.executable, "-m", "qcoll.bench", *argv], capture_output=True, text=True, timeout=240,
@@ -182,3 +185,8 @@ def test_cli_live_search_reports_the_best_beside_the_defaults(tmp_path):
     assert doc["best"] == min(feasible, key=lambda t: t["step_time_s"])["config"]
     assert doc["defaults"] == {"weight_bits": 8, "grad_bits": 4, "hpz": True, "prefetch": 1}
     assert "best: ZeroConfig(" in p.stdout and "defaults: ZeroConfig(" in p.stdout
+    # issue 43: the best as printed and as written by --emit-config is what ZeroConfig.from_deepspeed takes
+    chosen = qcoll.zero.ZeroConfig(**doc["best"])
+    (line,) = [x for x in p.stdout.splitlines() if x.strip().startswith("{")]
+    assert qcoll.zero.ZeroConfig.from_deepspeed(json.loads(line), 2) == chosen
+    assert qcoll.zero.ZeroConfig.from_deepspeed(json.loads((tmp_path / "ds.json").read_text()), 2) == chosen

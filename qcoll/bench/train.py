@@ -356,6 +356,9 @@ def _report(args, runs: list[dict], topo) -> None:
     print(format_profile(runs), flush=True)
     if args.auto:
         print(train_auto.format_auto(runs, args.settle), flush=True)
+        emitted = train_auto.emit_config(args, runs)
+        if emitted:
+            print(emitted, flush=True)
     if args.json:
         cli.write_json(args.json, {"command": NAME, "world": topo.world_size, "ranks_per_node": topo.ranks_per_node,
                                    "args": {k: getattr(args, k) for k in ("modes", "peer", "steps", "batch",

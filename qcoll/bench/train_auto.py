@@ -14,6 +14,14 @@ configuration it ran (``labels``), the tuner's phase and the decisions' bytes. I
 change: the best static run's mean step time on the new rate (its steps from the change + 10 to
 the next change), and how many steps after the change the auto run's steps are within 5% of it
 (``steps_to_within_5pct``: the first step from which the median of 4 consecutive steps is).
+
+The configuration each auto run settled on (its ZeroConfig at the end: the mode's fields with the
+tuner's knobs) is printed in the forms usable as printed (:func:`qcoll.tune.config_lines`: a
+``ZeroConfig(...)`` line, the DeepSpeed config as JSON alone on its line with the run's ranks per
+node, the ``quantize_comm(...)`` call) and recorded as ``auto.final_config`` in the JSON.
+``--emit-config FILE`` writes the DeepSpeed JSON (``ZeroConfig.from_deepspeed(json.load(open(FILE)),
+ranks_per_node)`` gives it back exactly) of the auto run with the lowest ``mean_after_s`` (the
+fastest settled run, as the comparison table ranks them; the first of equals), atomically.
 """
 from __future__ import annotations
 
@@ -41,6 +49,10 @@ def add_options(p) -> None:
                    help="configurations measured before settling (default 12)")
     g.add_argument("--auto-reexplore", type=cli.positive_int, default=8,
                    help="configurations measured after a drift restart (default 8)")
+    g.add_argument("--emit-config", default=None, metavar="FILE",
+                   help="write the configuration the fastest auto run (lowest mean step after --settle) settled on "
+                        "to FILE as DeepSpeed JSON (zero_optimization, and a \"qcoll\" section "
+                        "ZeroConfig.from_deepspeed reads)")
     g.add_argument("--settle", type=cli.nonnegative_int, default=60,
                    help="every run's mean_after_s leaves out its first SETTLE steps (default 60)")
 
@@ -50,6 +62,9 @@ def check(parser, args) -> None:
         parser.error(f"--settle {args.settle} must be smaller than --steps {args.steps}")
     if args.auto and args.adaptive_batch is not None:
         parser.error("--auto does not combine with --adaptive-batch")
+    if args.emit_config is not None and not args.auto:
+        parser.error("--emit-config writes the configuration an --auto run settled on: it needs --auto")
+    cli.check_output(parser, "--emit-config", args.emit_config)   # before the runs, not after them
 
 
 def is_auto(mode: str) -> bool:
@@ -59,6 +74,7 @@ def is_auto(mode: str) -> bool:
 def run(args, mode: str, topo, run_qcoll):
     """Train ``args.steps`` steps with AutoTune (``mode``: ``auto-<tuner>``) from ``zeropp``; ``run_qcoll`` is
     train's ``_run_qcoll``. Returns train's run tuple and the auto record."""
+    from .. import tune
     from ..tune import AutoTune
 
     labels, phases, tuners = [], [], []
@@ -74,8 +90,36 @@ def run(args, mode: str, topo, run_qcoll):
     result = run_qcoll(args, "zeropp", topo, attach)
     (auto,) = tuners
     record = {"labels": labels, "phases": phases, "switches": auto.switches, "decision_bytes": auto.decision_bytes,
-              "final": auto.label, "explorations": auto.policy.explorations if auto.policy else None}
+              "final": auto.label, "explorations": auto.policy.explorations if auto.policy else None,
+              "final_config": {"ranks_per_node": topo.ranks_per_node,
+                               "zero_config": tune.zero_config_line(auto.config),
+                               "deepspeed": tune.deepspeed_json(auto.config, topo.ranks_per_node),
+                               "quantize_comm": tune.quantize_comm_line(auto.config)}}
     return result, record
+
+
+def _final_config(record: dict):
+    """The ZeroConfig an auto run settled on, from its record's DeepSpeed JSON (exact: :mod:`qcoll.tune.emit`)."""
+    from ..zero import ZeroConfig
+
+    final = record["final_config"]
+    return ZeroConfig.from_deepspeed(final["deepspeed"], final["ranks_per_node"])
+
+
+def fastest_auto(runs: list[dict]) -> dict | None:
+    """The auto run ``--emit-config`` writes: the lowest ``mean_after_s`` (the first of equals), or None."""
+    auto = [r for r in runs if "auto" in r and "mean_after_s" in r]
+    return min(auto, key=lambda r: r["mean_after_s"]) if auto else None
+
+
+def emit_config(args, runs: list[dict]) -> str | None:
+    """``--emit-config``: write :func:`fastest_auto`'s configuration (rank 0, after the runs); the line saying so."""
+    run = fastest_auto(runs)
+    if args.emit_config is None or run is None:
+        return None
+    cli.write_json(args.emit_config, run["auto"]["final_config"]["deepspeed"])
+    return (f"wrote {args.emit_config}: the configuration {run['mode']} settled on (the auto run with the lowest "
+            f"mean step after step {args.settle})")
 
 
 def _show(args, auto) -> None:
@@ -152,4 +196,10 @@ def format_auto(runs: list[dict], settle: int) -> str:
         lines.append(f"{r['mode']}: {r['auto']['switches']} switches, {r['auto']['decision_bytes']} decision bytes "
                      f"(rank 0), settled on {r['auto']['final']}")
         lines += segments
+        if "final_config" in r["auto"]:
+            from ..tune import config_lines
+
+            lines.append(f"  {r['mode']} settled on, each form usable as printed:")
+            lines += config_lines(_final_config(r["auto"]), r["auto"]["final_config"]["ranks_per_node"],
+                                  indent="    ")
     return "\n".join(lines)

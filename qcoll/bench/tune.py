@@ -3,8 +3,13 @@
 Three ways to run:
 - live (default): ``--tuner`` (rrl, random, tpe, exhaustive) picks ``--budget`` configurations; each
   is measured on the ranks (``--steps`` steps of the char transformer, the median step time after
-  ``--warmup``); the best feasible one is printed as a ``ZeroConfig(...)`` line and as DeepSpeed
-  ``zero_optimization`` JSON where it maps;
+  ``--warmup``); the best feasible one is printed in the forms that are usable as printed
+  (:func:`qcoll.tune.config_lines`): a ``ZeroConfig(...)`` line, the DeepSpeed config as JSON alone on
+  its line (``zero_optimization`` with the run's ranks per node as ``zero_hpz_partition_size``, and a
+  ``"qcoll"`` section of what DeepSpeed has no key for: ``ZeroConfig.from_deepspeed(doc, ranks_per_node)``
+  gives the configuration back exactly) and the ``quantize_comm(...)`` call of the FSDP2 path;
+  ``--emit-config FILE`` writes that JSON (atomically; its folder checked before the first measurement;
+  no file when no configuration is feasible);
 - ``--record FILE``: every configuration of the space is measured once into a table (JSON; its folder
   is checked before the first measurement, the file replaced atomically, a symlink there replaced,
   never followed; the same for ``--json`` and ``--plot``);
@@ -47,6 +52,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=cli.positive_int, default=20, help="replay: seeds per tuner (default 20)")
     p.add_argument("--seed", type=int, default=0, help="live: the tuner's seed; model and data seed (default 0)")
     p.add_argument("--steps", type=cli.positive_int, default=6, help="steps per measurement (default 6)")
+    p.add_argument("--emit-config", default=None, metavar="FILE",
+                   help="live: write the best configuration to FILE as DeepSpeed JSON (zero_optimization, and a "
+                        "\"qcoll\" section ZeroConfig.from_deepspeed reads)")
     p.add_argument("--max-loss-increase", type=float, default=0.05,
                    help="feasible: final loss at most (1 + this) x ZeRO-3's (default 0.05)")
     train.add_model_options(p)
@@ -66,9 +74,12 @@ def space():
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.record and args.replay:
         parser.error("--record and --replay exclude each other")
+    if args.emit_config and (args.record or args.replay):
+        parser.error("--emit-config writes the best configuration of a live search (not with --record or --replay)")
     if args.replay:
         return _replay(args, parser)
     cli.check_output(parser, "--record", args.record)   # before the 24 measurements, not after them
+    cli.check_output(parser, "--emit-config", args.emit_config)
     world = cli.check_common(parser, args)
     train.check_model_options(parser, args, world)
     if args.warmup >= args.steps - 2:
@@ -161,26 +172,34 @@ def _search(args, topo, prog: progress.Steps) -> None:
     default_seconds, default_loss = _measure(args, topo, default)                 # side by side, same run
     prog.close()
     if topo.rank == 0:
-        _report_best(sp, tuner, losses, args, (default, default_seconds, default_loss), reference_loss)
+        _report_best(sp, tuner, losses, args, (default, default_seconds, default_loss), reference_loss,
+                     topo.ranks_per_node)
 
 
-def _report_best(sp, tuner, losses, args, default, reference_loss) -> None:
+def _report_best(sp, tuner, losses, args, default, reference_loss, ranks_per_node: int) -> None:
     from .. import tune
 
     best = tuner.best()
     if best is None:
-        print("no feasible configuration found", flush=True)
+        print("no feasible configuration found" + (f"; {args.emit_config} not written" if args.emit_config else ""),
+              flush=True)
         return
     config = sp.config(best.point)
     d_config, d_seconds, d_loss = default
     print(f"best: {tune.zero_config_line(config)}  ({best.cost * 1e3:.1f} ms/step, loss {losses[best.point]:.4f})")
     print(f"defaults: {tune.zero_config_line(d_config)}  ({d_seconds * 1e3:.1f} ms/step, loss {d_loss:.4f}; "
           f"ZeRO-3 loss {reference_loss:.4f}); speed-up of the best {d_seconds / best.cost:.2f}x")
-    print(f"DeepSpeed: {tune.deepspeed_json(config)}", flush=True)
+    print("\n".join(["the best configuration, each form usable as printed:",
+                     *tune.config_lines(config, ranks_per_node, indent="  ")]), flush=True)
+    if args.emit_config:
+        tune.write_config(args.emit_config, config, ranks_per_node)
+        print(f"wrote {args.emit_config}", flush=True)
     if args.json:
         cli.write_json(args.json, {"command": NAME, "best": config, "step_time_s": best.cost,
-                                   "loss": losses[best.point],
-                                   "deepspeed": tune.deepspeed_json(config), "defaults": d_config,
+                                   "loss": losses[best.point], "ranks_per_node": ranks_per_node,
+                                   "deepspeed": tune.deepspeed_json(config, ranks_per_node),
+                                   "zero_config": tune.zero_config_line(config),
+                                   "quantize_comm": tune.quantize_comm_line(config), "defaults": d_config,
                                    "defaults_step_time_s": d_seconds, "defaults_loss": d_loss,
                                    "zero3_loss": reference_loss,
                                    "trials": [{"config": sp.config(t.point), "step_time_s": t.cost,

@@ -8,7 +8,8 @@ Endpoints (JSON in and out):
   greedy continuation (``n`` from 1 to ``MAX_NEW_TOKENS``, default 16).
 - ``GET /health`` -> ``{"status": "ok"}``; ``GET /metrics``: request counts, latency percentiles
   (p50/p95/p99 over the last ``RECENT`` requests), the SLO and its violations, the running
-  configuration and the scheduler's state.
+  configuration (``config``, its label; ``config_body``, its fields: the JSON body ``PUT
+  /admin/config`` takes as is) and the scheduler's state.
 - ``PUT /admin/config`` ``{"max_batch_size", "batch_wait_timeout_s", "workers",
   "intra_op_threads"}`` (any of them): set the batching knobs of a server without a tuner (409
   while a tuner sets them), as Ray Serve's ``set_max_batch_size`` does. Off (404) unless the
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -209,6 +211,7 @@ class Server:
                 "slo_ms": self.slo_s * 1e3 if self.slo_s is not None else None,
                 "queued": len(self.batcher.queue), "batches": self.batcher.batches,
                 "config": self.batcher.config.label(),
+                "config_body": dataclasses.asdict(self.batcher.config),   # PUT /admin/config's body, as is
                 "scheduler": self.scheduler.state() if self.scheduler is not None else None,
                 "switches": [[t, c] for t, c in self.scheduler.switches] if self.scheduler is not None else []}
 

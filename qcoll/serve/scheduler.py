@@ -30,6 +30,7 @@ Independent of the engine: the server tells it :meth:`arrived` / :meth:`complete
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import os
 import time
@@ -182,8 +183,11 @@ class SloScheduler:
         return self.config
 
     def state(self) -> dict:
-        """For a metrics endpoint: the running configuration, the phase and the search's counters."""
-        return {"config": self.config.label(), "phase": self.policy.phase.value,
+        """For a metrics endpoint: the running configuration (``config``, its label; ``config_body``, its
+        fields, JSON: ``PUT /admin/config``'s body, or ``BatchConfig(**config_body)``), the phase and the
+        search's counters."""
+        return {"config": self.config.label(), "config_body": dataclasses.asdict(self.config),
+                "phase": self.policy.phase.value,
                 "explorations": self.policy.explorations, "rate_restarts": self.rate_restarts,
                 "switches": len(self.switches) - 1, "measured": len(self.tuner.trials),
                 "reference_rate": self.reference_rate()}

@@ -1,4 +1,7 @@
-"""The configuration space: ordinal knobs, configurations as index tuples, the ZeroConfig mapping."""
+"""The configuration space: ordinal knobs, configurations as index tuples (dicts of ZeroConfig fields).
+
+A chosen configuration's printed and written forms (``ZeroConfig(...)``, DeepSpeed JSON, ``quantize_comm``
+keyword arguments) are :mod:`qcoll.tune.emit`'s."""
 from __future__ import annotations
 
 import itertools
@@ -106,30 +109,3 @@ def config_label(config: dict) -> str:
 def zeropp_space(knobs: list[Knob] | None = None) -> Space:
     """The ZeRO++ space (``ZEROPP_KNOBS``, or a subset/variant of it)."""
     return Space(list(knobs or ZEROPP_KNOBS))
-
-
-def zero_config_line(config: dict) -> str:
-    """``ZeroConfig(...)`` source for a configuration of ZeroConfig fields."""
-    return "ZeroConfig(" + ", ".join(f"{k}={v!r}" for k, v in config.items()) + ")"
-
-
-def deepspeed_json(config: dict) -> dict:
-    """DeepSpeed ``zero_optimization`` for what maps (8-bit weights, 4-bit gradients, hpZ), else ``{}``
-    entries left out; the returned dict says which fields had no DeepSpeed equivalent."""
-    out = {"stage": 3}
-    unmapped = []
-    wb, gb = config.get("weight_bits"), config.get("grad_bits")
-    if wb in (8, None):
-        out["zero_quantized_weights"] = wb == 8
-    else:
-        unmapped.append(f"weight_bits={wb}")
-    if gb in (4, None):
-        out["zero_quantized_gradients"] = gb == 4
-    else:
-        unmapped.append(f"grad_bits={gb}")
-    if "hpz" in config:
-        out["zero_hpz_partition_size"] = "<ranks per node>" if config["hpz"] else 1
-    for k in ("weight_block", "grad_block", "prefetch"):
-        if k in config:
-            unmapped.append(f"{k}={config[k]}")
-    return {"zero_optimization": out, "unmapped": unmapped}

@@ -176,7 +176,12 @@ class ZeroConfig:
         (and the older ``cpu_offload`` / ``cpu_offload_params`` set true) are a ``ValueError`` naming
         the key, since qcoll keeps every state on the device and a run that asked for offload would
         silently need its memory; ``ignore_unsupported=True`` turns that into the warning.
-        ``overrides`` are further :class:`ZeroConfig` fields and win.
+        A top-level ``"qcoll"`` section (a whole config only; DeepSpeed leaves top-level keys it does
+        not know alone) holds further :class:`ZeroConfig` fields, by name, that DeepSpeed has no key for
+        (``{"weight_bits": 4, "grad_bits": [8, 4], "prefetch": 2, ...}``; ``compute_dtype`` as
+        ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``null``): they win over the DeepSpeed keys; a
+        name that is not a field is a ``ValueError``. :func:`qcoll.tune.deepspeed_json` writes it.
+        ``overrides`` are further :class:`ZeroConfig` fields and win over both.
         """
         if not isinstance(config, dict):
             raise TypeError(f"config must be a dict, got {type(config).__name__}")
@@ -201,7 +206,7 @@ class ZeroConfig:
         enabled = []
         for key in sorted(config) if whole else []:
             if key not in precision:
-                ignored += [key] if key != "zero_optimization" else []
+                ignored += [key] if key not in ("zero_optimization", _QCOLL_SECTION) else []
                 continue
             if not isinstance(config[key], dict):
                 raise TypeError(f"{key} must be a dict, got {type(config[key]).__name__}")
@@ -228,13 +233,40 @@ class ZeroConfig:
             value = _ds_count(section, key, f"{name}={getattr(cls, name)}")
             if value is not None:
                 fields[name] = value
-        fields.update(overrides)
-        if fields["hpz"] is False and "hpz_partition_size" not in overrides:
+        explicit = {**(_qcoll_section(config[_QCOLL_SECTION]) if whole and _QCOLL_SECTION in config else {}),
+                    **overrides}
+        fields.update(explicit)
+        if fields["hpz"] is False and "hpz_partition_size" not in explicit:
             fields.pop("hpz_partition_size", None)
         result = cls(**fields)
         if ranks_per_node is not None:
             result._check_node(ranks_per_node)
         return result
+
+
+_QCOLL_SECTION = "qcoll"   # a whole config's top-level section of further ZeroConfig fields (from_deepspeed)
+_DTYPE_NAMES = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _qcoll_section(section) -> dict:
+    """The ``"qcoll"`` section's ZeroConfig fields (``compute_dtype`` from its name); ``ValueError`` naming
+    a key that is not a field or a ``compute_dtype`` that is not one of the names."""
+    if not isinstance(section, dict):
+        raise TypeError(f"the DeepSpeed config's {_QCOLL_SECTION!r} section must be a dict of ZeroConfig fields, "
+                        f"got {type(section).__name__}")
+    names = [f.name for f in dataclasses.fields(ZeroConfig)]
+    unknown = sorted(str(k) for k in section if k not in names)
+    if unknown:
+        raise ValueError(f"{_QCOLL_SECTION}.{unknown[0]:.80} is not a ZeroConfig field (the {_QCOLL_SECTION!r} "
+                         f"section takes {', '.join(names)})")
+    fields = dict(section)
+    if "compute_dtype" in fields:
+        name = fields["compute_dtype"]
+        if not isinstance(name, (str, type(None))) or name not in _DTYPE_NAMES:
+            raise ValueError(f"{_QCOLL_SECTION}.compute_dtype must be \"float32\", \"bfloat16\", \"float16\" or null, "
+                             f"got {name!r:.80}")
+        fields["compute_dtype"] = _DTYPE_NAMES[name]
+    return fields
 
 
 def _ds_offload(section: dict) -> list[str]:
