@@ -6,7 +6,8 @@ picklable module-level functions ``fn(rank, world, *args)`` on all of them, and
 returns the per-rank results. A rank's exception is re-raised in the test with
 its traceback; a rank whose process dies (gloo aborts a process on some errors) is
 reported once the others have finished; a run that exceeds its timeout kills the
-pool (a fresh one starts on the next run), so nothing ever hangs.
+pool (a fresh one starts on the next run), so nothing ever hangs. A closed pool's workers end
+with ``os._exit(0)`` once their results are sent.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import datetime
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 
@@ -45,7 +47,14 @@ def _worker(rank, world, port, env, tasks, results):
             results.put((rank, "ok", fn(rank, world, *args)))
         except BaseException:
             results.put((rank, "err", traceback.format_exc()))
-    dist.destroy_process_group()
+    # a clean finish ends here, without the teardown: gloo's threads (subgroups held by Python objects,
+    # qcoll.Topology's, outlive destroy_process_group) against the interpreter's and C++'s teardown can
+    # end a finished worker in std::terminate (qcoll/bench/ranks.py's docstring). Results first.
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class RankFailure(AssertionError):
@@ -61,13 +70,23 @@ class RankFailure(AssertionError):
 
 
 class RankPool:
-    def __init__(self, world: int, env: dict | None = None):
+    """``world`` ranks; ``env``: their environment's additions (``QCOLL_TEST_GROUP_TIMEOUT``: the
+    group's timeout). ``preload``: modules imported once, by a fork server the workers are forked
+    from, instead of by each worker (importing torch and qcoll costs seconds of CPU per process;
+    for tests that start many pools). Otherwise each worker is a fresh interpreter (spawn)."""
+
+    def __init__(self, world: int, env: dict | None = None, preload: tuple[str, ...] = ()):
         self.world = world
         self.env = dict(env or {})
+        self.preload = tuple(preload)
         self._procs = []
 
     def _start(self):
-        ctx = mp.get_context("spawn")
+        if self.preload:
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(list(self.preload))   # (read when the fork server starts)
+        else:
+            ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world)]
         port = free_port()
@@ -119,4 +138,5 @@ class RankPool:
             p.join(timeout=5 if graceful else 0)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)   # reaped: no process of the pool is left, not even a zombie
         self._procs = []

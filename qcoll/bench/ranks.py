@@ -8,11 +8,20 @@ importing torch prints no traceback); the parent alone turns it into
 period), waits for them, and re-raises. SIGTERM to the parent does the same and
 raises :class:`Terminated`. Workers also get SIGKILL if the parent dies
 (``PR_SET_PDEATHSIG``), so no rank outlives the command.
+
+Exit. A rank that finished cleanly ends with ``os._exit(0)`` once every rank is done
+(:func:`_settle`) and its standard streams are flushed (:func:`_exit_clean`). Otherwise gloo's
+threads (each process group's, ``qcoll.Topology``'s subgroups included, which
+``destroy_process_group`` does not stop while Python objects still hold the groups) meet the
+interpreter's and C++'s teardown, and a rank that had finished can die in ``std::terminate``
+("terminate called without an active exception"). A rank that raised
+keeps its traceback and exit code (the normal exit path).
 """
 from __future__ import annotations
 
 import ctypes
 import datetime
+import logging
 import os
 import pickle
 import signal
@@ -74,15 +83,41 @@ def _entry(rank, world, port, ranks_per_node, fn, args, addr):
     try:
         fn(args)
         _settle()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise               # torch.multiprocessing records the traceback, the rank exits with 1
+    _exit_clean()
 
 
 def _settle() -> None:
-    """Wait until every rank is done before any tears its process group down: a rank that
-    destroys it (and exits) while a peer's gloo threads still talk to it can make that peer
-    die in ``std::terminate`` ("terminate called without an active exception")."""
+    """Wait until every rank is done before any exits: a rank that leaves while a peer's
+    gloo threads still talk to it can make that peer fail."""
     dist.barrier()
+
+
+def _exit_clean():
+    """End this rank now, as a clean finish: flush what it wrote, then ``os._exit`` (module
+    docstring), skipping the teardown that races gloo's threads. Exit code 0, or 120 (as
+    Python's own exit) when stdout or stderr cannot be flushed, so a lost result is no success.
+    Results written to files must be closed by then (``with`` / ``write_atomic``)."""
+    code = 0
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            if stream is not None and not stream.closed:
+                stream.flush()
+        except Exception:
+            code = 120
+    os._exit(code)
+
+
+def _is_the_command() -> bool:
+    """Whether this process is ``qcoll-bench`` itself (``python -m qcoll.bench`` or the console
+    script), whose ``main`` ends when ``run_ranks`` returns, rather than a program that called
+    ``run_ranks`` and goes on (a test calling ``cli.main`` in its own process)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return getattr(spec, "name", None) == "qcoll.bench.__main__" or \
+        os.path.basename(sys.argv[0] if sys.argv else "") == "qcoll-bench"
 
 
 def _stop(processes) -> None:
@@ -140,7 +175,10 @@ def run_ranks(fn, args, nproc: int | None, ranks_per_node: int, addr: str = "127
     """Call ``fn(args)`` on every rank with the default group initialized.
 
     Under torchrun (``RANK`` set and no ``nproc``) the current process is one
-    rank; otherwise ``nproc`` workers are spawned on this host. ``fn`` and
+    rank; otherwise ``nproc`` workers are spawned on this host. A rank that finishes
+    cleanly exits with :func:`_exit_clean` (module docstring): the spawned workers always,
+    the current process under torchrun when it is ``qcoll-bench`` itself (then this call
+    does not return; every subcommand returns 0 right after it anyway). ``fn`` and
     ``args`` must pickle (a module-level function, an ``argparse.Namespace``).
 
     Raises :class:`RankFailed` when a worker fails (the others are stopped),
@@ -153,8 +191,12 @@ def run_ranks(fn, args, nproc: int | None, ranks_per_node: int, addr: str = "127
         try:
             fn(args)
             _settle()
-        finally:
+        except BaseException:
             dist.destroy_process_group()
+            raise
+        if _is_the_command():
+            _exit_clean()
+        dist.destroy_process_group()
         return
     world = nproc or 1
     port = _free_port()

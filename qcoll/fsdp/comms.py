@@ -59,7 +59,8 @@ class QuantizedAllGather(_Allocate, AllGather):
     per node). A group inside one node (hpZ's backward gather, after
     ``reshard_after_forward=<ranks per node>``) is gathered unquantized: its link is fast,
     and the post-forward shard FSDP2 keeps is already the dequantized weight, so the
-    backward sees the forward's weights exactly. Both go through qcoll's collectives, so
+    backward sees the forward's weights exactly; it runs on the topology's node group
+    (:meth:`_inside`). Both go through qcoll's collectives, so
     ``qcoll.comm.stats`` counts them and frames check them.
 
     ``async_op`` calls complete before returning (FSDP2 then orders its copy-out on the
@@ -90,10 +91,20 @@ class QuantizedAllGather(_Allocate, AllGather):
             out.append(-(-dim0 // group_size) * rest)
         return out
 
+    def _inside(self, group):
+        """The group for a gather inside the node: the topology's node group when ``group`` (FSDP2's
+        post-forward group of hpZ) has the node's ranks in the same order, else ``group``. FSDP2
+        makes that group with torch's default timeout (30 minutes for gloo) whatever
+        ``init_process_group`` was given; the topology's groups have the default group's, so a
+        rank whose node-mate failed gives up there after the job's timeout instead."""
+        t = self.topology
+        node = list(range(t.node * t.ranks_per_node, (t.node + 1) * t.ranks_per_node))
+        return t.intra_group if group_ranks(group) == node else group
+
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> None:
         if not spans_nodes(group, self.topology):
-            all_gather_quantized(output_tensor, input_tensor, None, group=group)
+            all_gather_quantized(output_tensor, input_tensor, None, group=self._inside(group))
             return None
         where = dict(topology=self.topology) if is_world(group, self.topology) else dict(group=group)
         size = len(group_ranks(group))
