@@ -5,15 +5,14 @@ its quantized all-reduce across nodes), AutoTune's decision broadcast and ``qcol
 What must hold: every rank left after a SIGKILL ends with an exception (not a hang, not a result)
 within the group's timeout, and the killed run leaves no process behind; ranks that disagree on an
 argument raise, naming it or the ranks, and none returns a result the others did not compute.
-AutoTune and ``reconfigure`` check no agreement yet: their cases hold today's floor (no hang, no
-rank returning alone) and mark the naming error ``xfail``.
+AutoTune and ``reconfigure`` compare their arguments through the store: every rank raises a
+ValueError naming them.
 Each rank catches its own exception and returns ``(outcome, seconds, type, message, frames)``
 (:func:`_outcome`), so a rank that returned is told from one that raised. A SIGKILL breaks the
 process group, so each of those runs gets 4 fresh ranks (:func:`run_in_fresh_pools`, all at once,
 so that the survivors' waits overlap). The pools' group timeout is short (:data:`GROUP_TIMEOUT_S`).
 """
 import dataclasses
-import datetime
 import os
 import signal
 import sys
@@ -23,7 +22,6 @@ import traceback
 
 import pytest
 import torch
-from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.fsdp import FSDPModule
 
 import qcoll
@@ -84,9 +82,7 @@ def _fsdp2_model(hsdp: bool, layers: int = TINY.n_layers):
     ``init_process_group`` was given, and FSDP2's own collectives (HSDP's inside the node) run
     there: without this a survivor waits for a dead rank's node-mate for 30 minutes."""
     model = char_transformer(dataclasses.replace(TINY, n_layers=layers), 0)
-    mesh = mesh_for(hsdp, 2)
-    for dim in range(mesh.ndim):
-        _set_pg_timeout(datetime.timedelta(seconds=GROUP_TIMEOUT_S), mesh.get_group(dim))
+    mesh = mesh_for(hsdp, 2)     # (its groups on the default group's timeout: mesh_for sees to it)
     return shard_fsdp2(model, model.blocks, mesh, reshard_after_forward=None if hsdp else 2)
 
 
@@ -394,9 +390,6 @@ def test_autotune_and_reconfigure_with_other_arguments_never_hang_or_diverge_sil
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="AutoTune and reconfigure do not check that the ranks agree (issue 38 item 10 "
-                                       "report): other arguments on one rank end in transport timeouts, gloo aborts "
-                                       "or are ignored, never in an error naming them")
 @pytest.mark.parametrize("case", list(OTHER_ARGUMENTS))
 def test_autotune_and_reconfigure_with_other_arguments_name_them_on_every_rank(fresh_runs, case):
     """What quantize_comm does: a ValueError on every rank naming the argument (or the odd rank)."""

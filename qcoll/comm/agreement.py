@@ -12,8 +12,26 @@ from __future__ import annotations
 import datetime
 import itertools
 
+import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
+
+#: how long an agreement waits for every rank to reach it, at most (the group's timeout when shorter)
+AGREE_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def group_timeout() -> datetime.timedelta:
+    """The default group's timeout (what ``init_process_group`` was given)."""
+    pg = dist.distributed_c10d._get_default_group()
+    try:
+        return pg._get_backend(torch.device("cpu")).options._timeout
+    except Exception:
+        return dist.distributed_c10d._get_default_timeout(dist.get_backend())
+
+
+def wait_timeout() -> datetime.timedelta:
+    """:data:`AGREE_TIMEOUT`, or the group's timeout when shorter."""
+    return min(AGREE_TIMEOUT, group_timeout())
 
 
 class Agreement:

@@ -5,26 +5,14 @@ import datetime
 import json
 import os
 
-import torch
 import torch.distributed as dist
 
 from ..checks import check_int
 from . import liveness
-from .agreement import Agreement
+from .agreement import Agreement, group_timeout as _default_timeout, wait_timeout
 
 _current: "Topology | None" = None
 _AGREEMENT = Agreement("qcoll.Topology")
-#: how long a Topology waits for every rank to reach it, at most (the group's timeout when shorter)
-AGREE_TIMEOUT = datetime.timedelta(seconds=60)
-
-
-def _default_timeout() -> datetime.timedelta:
-    """The default group's timeout, so sub-groups fail as fast as the world does."""
-    pg = dist.distributed_c10d._get_default_group()
-    try:
-        return pg._get_backend(torch.device("cpu")).options._timeout
-    except Exception:
-        return dist.distributed_c10d._get_default_timeout(dist.get_backend())
 
 
 def group_is_live(group) -> bool:
@@ -59,7 +47,7 @@ class Topology:
         if timeout is not None and not (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0):
             raise TypeError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
         # agreed first, checked after: a value only some ranks refuse must not leave the others waiting
-        _agree(ranks_per_node, timeout or min(AGREE_TIMEOUT, _default_timeout()))
+        _agree(ranks_per_node, timeout or wait_timeout())
         check_int(ranks_per_node, "ranks_per_node", minimum=1)
         if self.world_size % ranks_per_node:
             raise ValueError(

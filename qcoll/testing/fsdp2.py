@@ -7,17 +7,28 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from ..comm.agreement import group_timeout
 from .models import TINY, TransformerConfig, char_transformer
 
 
 def mesh_for(hsdp: bool, ranks_per_node: int, device: str = "cpu"):
-    """A 1-D mesh over the world, or HSDP's 2-D ``(replicate, shard)`` mesh of nodes."""
+    """A 1-D mesh over the world, or HSDP's 2-D ``(replicate, shard)`` mesh of nodes, its groups on the
+    default group's timeout (torch makes a mesh's groups with its own default, 30 minutes for gloo,
+    whatever ``init_process_group`` was given: a rank whose peer died would wait that long in FSDP2's
+    own collectives)."""
     world = dist.get_world_size()
     if not hsdp:
-        return init_device_mesh(device, (world,), mesh_dim_names=("shard",))
-    return init_device_mesh(device, (world // ranks_per_node, ranks_per_node), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device, (world,), mesh_dim_names=("shard",))
+    else:
+        mesh = init_device_mesh(device, (world // ranks_per_node, ranks_per_node),
+                                mesh_dim_names=("replicate", "shard"))
+    timeout = group_timeout()
+    for dim in range(mesh.ndim):
+        _set_pg_timeout(timeout, mesh.get_group(dim))
+    return mesh
 
 
 def shard_fsdp2(model: torch.nn.Module, blocks, mesh, *, bf16: bool = False,

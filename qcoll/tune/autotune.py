@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..checks import check_int, check_number
+from ..comm.agreement import Agreement, wait_timeout
 from ..comm.stats import stats
 from ..zero.load_checks import agreed
 from ..zero.reconfigure import FIXED_FIELDS, layout_allows, reconfigure, with_knobs
@@ -56,6 +57,8 @@ class AutoTune:
     budgets of the codec's relative L2 error on the live weights and gradients. ``seed``: the
     tuner's.
 
+    Every rank builds it with the same arguments: they are compared through the store first, and
+    ranks that differ get a ``ValueError`` on every rank naming the arguments and the ranks.
     One AutoTune per model: it owns the wire format (``ValueError`` for a second one). After each
     :meth:`update`: ``config`` (the ZeroConfig in use), ``label``, ``history`` (per step
     after the first: ``step``, ``label``, ``seconds`` (this rank's), ``phase``), ``switches``,
@@ -66,9 +69,13 @@ class AutoTune:
                  reexplore: int | None = 8, abort: float = 1.5, drift_tolerance: float = 0.2, drift_patience: int = 2,
                  confirm: int = 3, weight_error: float = 0.15, grad_error: float = 0.25, seed: int = 0):
         state = state_of(model)
+        space = online_space() if space is None else space
+        _agree_arguments(tuner=tuner, space=[[k.name, repr(k.values)] for k in space.knobs] if isinstance(
+            space, Space) else repr(space), window=window, explore=explore, reexplore=reexplore, abort=abort,
+            drift_tolerance=drift_tolerance, drift_patience=drift_patience, confirm=confirm,
+            weight_error=weight_error, grad_error=grad_error, seed=seed)
         if tuner not in ("rrl", "random", "tpe"):
             raise ValueError(f"tuner must be 'rrl', 'random' or 'tpe', got {tuner!r}")
-        space = online_space() if space is None else space
         if not isinstance(space, Space):
             raise TypeError(f"space must be a qcoll.tune.Space, got {type(space).__name__}")
         fields = set(type(state.config).__dataclass_fields__)
@@ -314,6 +321,25 @@ class CheckedState:
     steps: int
     switches: int
     policy: OnlinePolicy
+
+
+_AGREEMENT = Agreement("qcoll.tune.AutoTune")
+
+
+def _agree_arguments(**arguments) -> None:
+    """Every rank built its AutoTune with the same arguments (only rank 0's policy decides, and the
+    decisions' broadcast has the space's length), or every rank raises a ValueError naming the
+    arguments that differ from rank 0's and the ranks; compared before anything is checked, so a
+    value only some ranks refuse leaves no rank waiting."""
+    mine = {k: repr(v) for k, v in arguments.items()}
+    every = {r: json.loads(v) for r, v in _AGREEMENT.exchange(json.dumps(mine), wait_timeout(),
+                                                              "Every rank must build the model's AutoTune.").items()}
+    differ = {r: [k for k in mine if doc[k] != every[0][k]] for r, doc in every.items()}
+    differ = {r: names for r, names in differ.items() if names}
+    if differ:
+        r, names = min(differ.items())
+        raise ValueError(f"AutoTune: ranks {sorted(differ)} passed other arguments than rank 0; rank {r} has "
+                         + ", ".join(f"{k}={every[r][k]:.200} (rank 0: {every[0][k]:.200})" for k in names))
 
 
 def _broadcast_json(doc):

@@ -17,7 +17,9 @@ weights need a layout built for them (the model sharded with quantized weights, 
 from __future__ import annotations
 
 import dataclasses
+import json
 
+from ..comm.agreement import Agreement, wait_timeout
 from .config import ZeroConfig
 from .state import state_of
 
@@ -61,13 +63,17 @@ def reconfigure(model, config: ZeroConfig) -> ZeroConfig:
     :func:`qcoll.zero.shard`) from its next forward on; returns the previous one.
 
     Call it on every rank with the same ``config``, between steps (after the optimizer step,
-    before the next forward; else ``RuntimeError``). ``TypeError`` if ``config`` is not a
+    before the next forward; else ``RuntimeError``). The ranks compare their configs through
+    the store first: one that differs is a ``ValueError`` on every rank naming the fields and
+    the ranks (a ``RuntimeError`` names ranks that do not call it within 60 s, or the group's
+    timeout when shorter). ``TypeError`` if ``config`` is not a
     :class:`ZeroConfig`; ``ValueError`` naming the field when it changes one of
     :data:`FIXED_FIELDS` or asks for quantized weights the layout was not built for. The master
     weights, gradients and optimizer state are untouched.
     """
     if not isinstance(config, ZeroConfig):
         raise TypeError(f"config must be a qcoll.zero.ZeroConfig, got {type(config).__name__}")
+    _agree(config)
     state = state_of(model)
     old = state.config
     for name in FIXED_FIELDS:
@@ -85,6 +91,24 @@ def reconfigure(model, config: ZeroConfig) -> ZeroConfig:
     for g in state.groups:
         g.config = config
     return old
+
+
+_AGREEMENT = Agreement("qcoll.zero.reconfigure")
+
+
+def _agree(config: ZeroConfig) -> None:
+    """Every rank passes an equal ``config``, or every rank raises a ValueError naming the fields that
+    differ from rank 0's and the ranks."""
+    mine = {f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    every = {r: json.loads(v) for r, v in _AGREEMENT.exchange(json.dumps(mine, sort_keys=True), wait_timeout(),
+                                                              "Every rank must call reconfigure, alike.").items()}
+    differ = {r: [k for k in fields if fields[k] != every[0][k]] for r, fields in every.items()}
+    differ = {r: names for r, names in differ.items() if names}
+    if differ:
+        r, names = min(differ.items())
+        fields = ", ".join(f"{k}={every[r][k]} (rank 0: {every[0][k]})" for k in names)
+        raise ValueError(f"reconfigure: ranks {sorted(differ)} passed another config than rank 0; rank {r} has "
+                         f"{fields}. Every rank must switch to the same config")
 
 
 def with_knobs(config: ZeroConfig, **knobs) -> ZeroConfig:
