@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import json
 
 import torch
 import torch.distributed as dist
@@ -73,3 +74,17 @@ class Agreement:
             raise ValueError(f"{self.name}: ranks {differ} passed {what} than rank 0: ranks {agree} have {first}; "
                              f"rank {differ[0]} has {every[differ[0]]}")
         return every
+
+    def same_fields(self, fields: dict, timeout: datetime.timedelta | None = None, missing_hint: str = "") -> None:
+        """:meth:`exchange` of ``fields`` (names to their text, e.g. ``repr``), then a ``ValueError`` on
+        every rank naming the ranks whose fields differ from rank 0's, and for the first of them each
+        field with both values."""
+        every = {r: json.loads(v) for r, v in self.exchange(json.dumps(fields, sort_keys=True), timeout,
+                                                            missing_hint).items()}
+        differ = {r: [k for k in fields if doc.get(k) != every[0].get(k)] for r, doc in every.items()}
+        differ = {r: names for r, names in differ.items() if names}
+        if differ:
+            r, names = min(differ.items())
+            raise ValueError(f"{self.name}: ranks {sorted(differ)} passed other arguments than rank 0; rank {r} has "
+                             + ", ".join(f"{k}={str(every[r].get(k)):.200} (rank 0: {str(every[0].get(k)):.200})"
+                                         for k in names))

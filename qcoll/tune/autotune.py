@@ -323,7 +323,7 @@ class CheckedState:
     policy: OnlinePolicy
 
 
-_AGREEMENT = Agreement("qcoll.tune.AutoTune")
+_AGREEMENT = Agreement("AutoTune")
 
 
 def _agree_arguments(**arguments) -> None:
@@ -331,15 +331,8 @@ def _agree_arguments(**arguments) -> None:
     decisions' broadcast has the space's length), or every rank raises a ValueError naming the
     arguments that differ from rank 0's and the ranks; compared before anything is checked, so a
     value only some ranks refuse leaves no rank waiting."""
-    mine = {k: repr(v) for k, v in arguments.items()}
-    every = {r: json.loads(v) for r, v in _AGREEMENT.exchange(json.dumps(mine), wait_timeout(),
-                                                              "Every rank must build the model's AutoTune.").items()}
-    differ = {r: [k for k in mine if doc[k] != every[0][k]] for r, doc in every.items()}
-    differ = {r: names for r, names in differ.items() if names}
-    if differ:
-        r, names = min(differ.items())
-        raise ValueError(f"AutoTune: ranks {sorted(differ)} passed other arguments than rank 0; rank {r} has "
-                         + ", ".join(f"{k}={every[r][k]:.200} (rank 0: {every[0][k]:.200})" for k in names))
+    _AGREEMENT.same_fields({k: repr(v) for k, v in arguments.items()}, wait_timeout(),
+                           "Every rank must build the model's AutoTune.")
 
 
 def _broadcast_json(doc):

@@ -17,7 +17,6 @@ weights need a layout built for them (the model sharded with quantized weights, 
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from ..comm.agreement import Agreement, wait_timeout
 from .config import ZeroConfig
@@ -93,22 +92,14 @@ def reconfigure(model, config: ZeroConfig) -> ZeroConfig:
     return old
 
 
-_AGREEMENT = Agreement("qcoll.zero.reconfigure")
+_AGREEMENT = Agreement("reconfigure")
 
 
 def _agree(config: ZeroConfig) -> None:
     """Every rank passes an equal ``config``, or every rank raises a ValueError naming the fields that
     differ from rank 0's and the ranks."""
-    mine = {f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config)}
-    every = {r: json.loads(v) for r, v in _AGREEMENT.exchange(json.dumps(mine, sort_keys=True), wait_timeout(),
-                                                              "Every rank must call reconfigure, alike.").items()}
-    differ = {r: [k for k in fields if fields[k] != every[0][k]] for r, fields in every.items()}
-    differ = {r: names for r, names in differ.items() if names}
-    if differ:
-        r, names = min(differ.items())
-        fields = ", ".join(f"{k}={every[r][k]} (rank 0: {every[0][k]})" for k in names)
-        raise ValueError(f"reconfigure: ranks {sorted(differ)} passed another config than rank 0; rank {r} has "
-                         f"{fields}. Every rank must switch to the same config")
+    _AGREEMENT.same_fields({f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config)},
+                           wait_timeout(), "Every rank must call reconfigure, with the same config.")
 
 
 def with_knobs(config: ZeroConfig, **knobs) -> ZeroConfig:
