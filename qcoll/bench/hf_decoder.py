@@ -48,7 +48,7 @@ def check_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.vocab < 3:
         parser.error(f"--vocab must be >= 3 (tokens 0 and 1 are reserved), got {args.vocab}")
     if importlib.util.find_spec("transformers") is None:
-        parser.error(f"{parser.prog} needs transformers (pip install transformers, or the test extra)")
+        parser.error(f"{parser.prog} needs transformers, a dependency of qcoll: reinstall qcoll (pip install qcoll)")
 
 
 def build_decoder(args, positions: int):

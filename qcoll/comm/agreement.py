@@ -62,19 +62,6 @@ class Agreement:
                                f"{timeout or store.timeout}. {missing_hint}".rstrip()) from None
         return {r: v.decode() for r, v in enumerate(store.multi_get(keys))}
 
-    def same(self, value: str, timeout: datetime.timedelta | None = None, missing_hint: str = "",
-             what: str = "other arguments") -> dict:
-        """:meth:`exchange`, then a ``ValueError`` on every rank when any rank's value differs from
-        rank 0's, naming the ranks on each side and both values; returns ``{rank: value}``."""
-        every = self.exchange(value, timeout, missing_hint)
-        first = every[0]
-        differ = sorted(r for r, v in every.items() if v != first)
-        if differ:
-            agree = sorted(r for r, v in every.items() if v == first)
-            raise ValueError(f"{self.name}: ranks {differ} passed {what} than rank 0: ranks {agree} have {first}; "
-                             f"rank {differ[0]} has {every[differ[0]]}")
-        return every
-
     def same_fields(self, fields: dict, timeout: datetime.timedelta | None = None, missing_hint: str = "") -> None:
         """:meth:`exchange` of ``fields`` (names to their text, e.g. ``repr``), then a ``ValueError`` on
         every rank naming the ranks whose fields differ from rank 0's, and for the first of them each
@@ -86,5 +73,5 @@ class Agreement:
         if differ:
             r, names = min(differ.items())
             raise ValueError(f"{self.name}: ranks {sorted(differ)} passed other arguments than rank 0; rank {r} has "
-                             + ", ".join(f"{k}={str(every[r].get(k)):.200} (rank 0: {str(every[0].get(k)):.200})"
+                             + ", ".join(f"{k}={str(every[r].get(k)):.200} (rank 0: {k}={str(every[0].get(k)):.200})"
                                          for k in names))

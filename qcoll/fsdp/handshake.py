@@ -16,10 +16,10 @@ from ..comm.agreement import Agreement
 AGREEMENT = Agreement("quantize_comm")
 
 
-def agree(fingerprint: str, timeout: datetime.timedelta | None = None) -> None:
-    """Wait (up to ``timeout``, default the store's) until every rank has written its fingerprint for this
-    call; a ``RuntimeError`` naming the ranks that did not, a ``ValueError`` (on every rank) naming the
-    ranks whose fingerprint differs from rank 0's."""
-    AGREEMENT.same(fingerprint, timeout, what="other arguments or another model", missing_hint=(
+def agree(fingerprint: dict, timeout: datetime.timedelta | None = None) -> None:
+    """Wait (up to ``timeout``, default the store's) until every rank has written its fingerprint (the
+    arguments and the model's FSDP groups, by name) for this call; a ``RuntimeError`` naming the ranks
+    that did not, a ``ValueError`` (on every rank) naming the ranks and the fields that differ from rank 0's."""
+    AGREEMENT.same_fields({k: repr(v) for k, v in fingerprint.items()}, timeout, missing_hint=(
         "Every rank must call quantize_comm on its model, in the same order, before the first forward; ranks "
         "that do not run FSDP2's own collectives and cannot meet the quantized ones"))

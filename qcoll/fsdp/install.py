@@ -80,10 +80,10 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
     if not groups:
         raise ValueError(f"quantize_comm: the FSDP2 modules under {type(module).__name__} manage no parameters")
     topology = _topology(topology, groups[0][1].mesh_info)
-    handshake.agree(f"weight_bits={weight_bits} grad_bits={grad_bits} weight_block={weight_block} "
-                    f"grad_block={grad_block} hpz={hpz} hadamard={hadamard} ranks_per_node={topology.ranks_per_node} "
-                    f"groups={len(groups)} parameters={sum(p._orig_size.numel() for _, g in groups for p in g.fsdp_params)}",
-                    timeout)
+    handshake.agree(dict(weight_bits=weight_bits, grad_bits=grad_bits, weight_block=weight_block,
+                         grad_block=grad_block, hpz=hpz, hadamard=hadamard, ranks_per_node=topology.ranks_per_node,
+                         groups=len(groups),
+                         parameters=sum(p._orig_size.numel() for _, g in groups for p in g.fsdp_params)), timeout)
     for m, group in groups:          # every check before any change: an error leaves the model as it was
         info = group.mesh_info
         if isinstance(info, HSDPMeshInfo):
