@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .c10d import all_gather_flat
+from .c10d import all_gather_flat, group_ranks, group_size, my_rank
 from ..quant import format as fmt
 from ..quant import rows
 from . import framing, validate
+from .error_feedback import ErrorFeedback
 from .errors import RankMismatchError
 from .handle import finish, labelled, wait_work
 from .reduce_scatter import OPS, all_to_all_frames
@@ -23,6 +24,7 @@ def all_reduce_quantized(
     group=None,
     op: str = "sum",
     async_op: bool = False,
+    error_feedback: ErrorFeedback | None = None,
 ):
     """All-reduce ``tensor`` in place over ``group`` with ``bits``-bit codes on the wire.
 
@@ -41,7 +43,17 @@ def all_reduce_quantized(
     is ``dist.all_reduce`` (``op="avg"`` divides by ``g``). Returns None, or with ``async_op``
     a handle whose ``wait()`` completes the call (both stages run at the launch).
 
-    Ranks that disagree on ``bits``, ``block_size``, ``op`` or the size: stage 1's frame headers
+    ``error_feedback``: this tensor's :class:`qcoll.comm.ErrorFeedback` (held by the caller, the
+    same object on every call for this tensor): each stage quantizes its values plus the residual
+    it failed to send last time, and keeps the new residual, so the rounding is fed back instead
+    of lost (what makes 2 bits usable). The result of one call is still within the codec's bound
+    of the compensated sum; over calls, the results sum to the exact sums within one call's
+    rounding. Every rank of the group passes one or none (the frames say which).
+
+    ``group`` may be a bare c10d group that :func:`qcoll.comm.c10d.accept_bare` let in
+    (torchft's replica groups, :mod:`qcoll.integrations.torchft`).
+
+    Ranks that disagree on ``bits``, ``block_size``, ``op``, error feedback or the size: stage 1's frame headers
     are checked on receipt; a rank that received a mismatching frame still takes part in
     stage 2, sending a poisoned header, so every rank raises
     :class:`qcoll.comm.RankMismatchError`. Where the buffers' sizes differ, gloo aborts a
@@ -53,22 +65,31 @@ def all_reduce_quantized(
     validate.check_group(group)
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    g = dist.get_world_size(group)
+    if error_feedback is not None and not isinstance(error_feedback, ErrorFeedback):
+        raise TypeError(f"error_feedback must be a qcoll ErrorFeedback or None, got {type(error_feedback).__name__}")
+    g = group_size(group)
     validate.debug_check("all_reduce", group, tensor.numel(), bits, block_size, tensor.dtype, tensor.device,
                          reduce_op=op)
     if bits is None or g == 1:
+        if error_feedback is not None:
+            raise ValueError(f"error_feedback needs a quantized all-reduce over 2 or more ranks, got bits={bits} "
+                             f"over {g} rank(s): there is nothing to feed back")
         return _plain(tensor, group, g, op, async_op)
     flat = tensor.view(-1)
     S = -(-flat.numel() // g)
+    ef = error_feedback
+    if ef is not None:
+        ef.bind(flat.numel(), g, tensor.device)
+        ef.calls += 1
     padded = torch.zeros(g * S, dtype=tensor.dtype, device=tensor.device)
     padded[: flat.numel()].copy_(flat)
-    header = framing.Header(bits, block_size, S, average=op == "avg")
-    frames = framing.frame(rows.quantize_rows(padded.view(g, S), bits, block_size), header)
+    header = framing.Header(bits, block_size, S, average=op == "avg", error_feedback=ef is not None)
+    frames = framing.frame(_quantize(padded.view(g, S), ef and ef.send, bits, block_size), header)
     recv, work = all_to_all_frames(frames, group, g)
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    ranks = group_ranks(group)
 
     def receipt(stage: str):
-        return lambda: framing.Receipt(f"all_reduce ({stage})", dist.get_rank(), lambda j: ranks[j])
+        return lambda: framing.Receipt(f"all_reduce ({stage})", my_rank(group), lambda j: ranks[j])
 
     def complete():
         wait_work(work, "all_reduce (reduce-scatter)", lambda: f"frames of {frames.shape[1]} bytes ({header.describe()})",
@@ -79,7 +100,8 @@ def all_reduce_quantized(
             total = rows.dequantize_reduce(got.view(g, 1, -1), S, bits, block_size)[0]
             if op == "avg":
                 total = total / g
-            mine = framing.frame(rows.quantize_rows(total.to(tensor.dtype).view(1, S), bits, block_size), header)
+            mine = framing.frame(_quantize(total.view(1, S) if ef is not None else total.to(tensor.dtype).view(1, S),
+                                           ef and ef.own, bits, block_size), header)
         except RankMismatchError as e:   # pass it on instead of leaving the peers waiting in stage 2
             failure = e
             mine = framing.frame(torch.zeros(1, header.payload_nbytes(), dtype=torch.uint8, device=tensor.device),
@@ -99,9 +121,21 @@ def all_reduce_quantized(
     return finish(complete, async_op, "qcoll::all_reduce")
 
 
+def _quantize(values: torch.Tensor, residual: torch.Tensor | None, bits: int, block_size: int) -> torch.Tensor:
+    """Packed rows of ``values`` ``[rows, S]``; with a ``residual``, of ``values + residual``, and
+    the residual becomes what those rows lost (:class:`ErrorFeedback`)."""
+    if residual is None:
+        return rows.quantize_rows(values, bits, block_size)
+    compensated = ErrorFeedback.compensate(values, residual)
+    packed = rows.quantize_rows(compensated, bits, block_size)
+    decoded = rows.dequantize_rows(packed, values.shape[1], bits, block_size, torch.float32)
+    ErrorFeedback.keep(residual, compensated, decoded)
+    return packed
+
+
 def _plain(tensor, group, g, op, async_op):
     stats.add("all_reduce", group, 2 * (g - 1) * tensor.numel() * tensor.element_size() // g)
-    work = dist.all_reduce(tensor, group=group, async_op=True)
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
     def complete():
         wait_work(work, "all_reduce", lambda: f"an unquantized tensor of {tensor.numel()} elements", group)

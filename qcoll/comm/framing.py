@@ -34,6 +34,7 @@ FLAG_ROTATED = 0x02
 OUTLIERS_SHIFT = 2     # flags bits 2-5: the outlier reserve per block (0-8)
 OUTLIERS_MASK = 0x0F
 FLAG_AVERAGE = 0x40    # a reduction's op="avg" (sum: clear; the all-gathers: clear)
+FLAG_ERROR_FEEDBACK = 0x80   # the sender added its error-feedback residual before quantizing
 MAX_NUMEL = 2**48 - 1
 _PREFIX = struct.Struct("<2sBBBB6s")   # magic, version, flags, bits, log2(block_size), numel (u48)
 _CHECK = struct.Struct("<I")
@@ -53,8 +54,9 @@ class Header:
     ``numel`` (elements per row), whether the sender marked it poisoned (it had
     received mismatching data earlier in the same collective; the payload is void) and
     whether the values are Hadamard-rotated (qgZ's ``hadamard=True``), each block's
-    outlier reserve (docs/FORMAT.md "Outlier reserve"; 0: plain rows), and whether a
-    reduction averages (``op="avg"``; False for ``"sum"`` and for the all-gathers)."""
+    outlier reserve (docs/FORMAT.md "Outlier reserve"; 0: plain rows), whether a
+    reduction averages (``op="avg"``; False for ``"sum"`` and for the all-gathers), and whether
+    the sender quantized with error feedback (:class:`qcoll.comm.ErrorFeedback`)."""
 
     bits: int
     block_size: int
@@ -63,13 +65,15 @@ class Header:
     rotated: bool = False
     outliers: int = 0
     average: bool = False
+    error_feedback: bool = False
 
     def to_bytes(self) -> bytes:
         if not 0 <= self.numel <= MAX_NUMEL:
             raise ValueError(f"numel must be in [0, 2**48) to be framed, got {self.numel}")
         log2 = self.block_size.bit_length() - 1
         flags = ((FLAG_POISONED if self.poisoned else 0) | (FLAG_ROTATED if self.rotated else 0)
-                 | self.outliers << OUTLIERS_SHIFT | (FLAG_AVERAGE if self.average else 0))
+                 | self.outliers << OUTLIERS_SHIFT | (FLAG_AVERAGE if self.average else 0)
+                 | (FLAG_ERROR_FEEDBACK if self.error_feedback else 0))
         prefix = _PREFIX.pack(MAGIC, VERSION, flags, self.bits, log2,
                               self.numel.to_bytes(6, "little"))
         return prefix + _CHECK.pack(check_value(prefix))
@@ -87,11 +91,12 @@ class Header:
         if version != VERSION:
             raise ValueError(f"version {version}, this qcoll reads version {VERSION}")
         reserve = flags >> OUTLIERS_SHIFT & OUTLIERS_MASK
-        if (bits not in fmt.VALID_BITS or not fmt.MIN_BLOCK <= 1 << log2 <= fmt.MAX_BLOCK or flags >> 7
+        if (bits not in fmt.VALID_BITS or not fmt.MIN_BLOCK <= 1 << log2 <= fmt.MAX_BLOCK or flags >> 8
                 or reserve > outliers.MAX_OUTLIERS):
             raise ValueError(f"fields out of range (flags={flags}, bits={bits}, log2(block_size)={log2})")
         return cls(bits, 1 << log2, int.from_bytes(numel, "little"), bool(flags & FLAG_POISONED),
-                   bool(flags & FLAG_ROTATED), reserve, bool(flags & FLAG_AVERAGE))
+                   bool(flags & FLAG_ROTATED), reserve, bool(flags & FLAG_AVERAGE),
+                   bool(flags & FLAG_ERROR_FEEDBACK))
 
     def poison(self) -> "Header":
         return replace(self, poisoned=True)
@@ -102,7 +107,7 @@ class Header:
 
     def describe(self) -> str:
         extra = ((", hadamard" if self.rotated else "") + (f", outliers={self.outliers}" if self.outliers else "")
-                 + (", op=avg" if self.average else ""))
+                 + (", op=avg" if self.average else "") + (", error_feedback" if self.error_feedback else ""))
         return f"bits={self.bits}, block_size={self.block_size}, numel={self.numel}{extra}"
 
 
@@ -241,6 +246,9 @@ def _mismatch(heads: torch.Tensor, expected: Header, r: Receipt) -> RankMismatch
               for f in ("bits", "block_size", "numel", "rotated", "outliers") if getattr(got, f) != getattr(expected, f)]
     if got.average != expected.average:
         fields.append(f"op={_op(got)} (rank {r.rank} has {_op(expected)})")
+    if got.error_feedback != expected.error_feedback:
+        fields.append(f"error feedback {'on' if got.error_feedback else 'off'} "
+                      f"(rank {r.rank} has it {'on' if expected.error_feedback else 'off'})")
     sizes = ""
     if got.payload_nbytes(r.rows) != expected.payload_nbytes(r.rows):
         sent, want_n = HEADER_BYTES + got.payload_nbytes(r.rows), HEADER_BYTES + expected.payload_nbytes(r.rows)

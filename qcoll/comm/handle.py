@@ -4,10 +4,10 @@ from __future__ import annotations
 import functools
 import time
 
-import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from . import liveness
+from .c10d import group_ranks, is_bare, my_rank
 from .errors import add_transport_context
 from .stats import stats
 
@@ -89,8 +89,11 @@ def wait_work(work, op: str, sent, group=None) -> None:
     try:
         work.wait()
     except RuntimeError as e:
-        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-        add_transport_context(e, op, dist.get_rank(), sent(), liveness.describe(ranks))
+        bare = is_bare(group)
+        ranks = group_ranks(group)
+        add_transport_context(e, op, my_rank(group), sent(),
+                              "The group is a bare replica group (torchft's): ask its manager which replica "
+                              "left." if bare else liveness.describe(ranks))
         raise
     finally:
         stats.add_blocked(op, time.perf_counter() - t0)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from .c10d import is_bare
 from .topology import current_topology
 
 
@@ -69,6 +70,8 @@ stats = CommStats()
 
 
 def group_spans_nodes(group) -> bool:
+    if is_bare(group):   # torchft's replica group: one rank per replica, replicas on other nodes
+        return True
     topo = current_topology()
     if topo is not None:
         per_node = topo.ranks_per_node

@@ -9,10 +9,9 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 
 from ..checks import check_bool
-from .c10d import all_gather_flat
+from .c10d import all_gather_flat, group_ranks, group_size, is_bare, my_rank
 from ..quant import format as fmt
 from .errors import RankMismatchError
 from .topology import Topology, group_is_live
@@ -61,7 +60,7 @@ def check_async(async_op) -> None:
 
 def check_group(group, name: str = "group") -> None:
     """``group`` is None (the default group) or a live process group."""
-    if group is not None and not group_is_live(group):
+    if group is not None and not is_bare(group) and not group_is_live(group):
         raise ValueError(f"{name} {group!r} is not a live process group: it was destroyed "
                          f"(torch.distributed.destroy_process_group); create groups (and a qcoll.Topology) "
                          f"again after init_process_group")
@@ -89,7 +88,7 @@ def debug_check(collective: str, group, numel: int, bits, block_size: int, dtype
     intra, inter = bits if isinstance(bits, (tuple, list)) else (bits, bits)
     mine = torch.tensor([_COLLECTIVES[collective], numel, intra or 0, inter or 0, block_size, _DTYPE_CODES[dtype],
                          _REDUCE_OPS[reduce_op]], dtype=torch.int64, device=device)
-    size = dist.get_world_size(group)
+    size = group_size(group)
     every = torch.empty(size, mine.numel(), dtype=torch.int64, device=device)
     all_gather_flat(every.view(-1), mine, group=group)
     if bool((every == every[0]).all()):
@@ -97,8 +96,8 @@ def debug_check(collective: str, group, numel: int, bits, block_size: int, dtype
     names = {"collective": {v: k for k, v in _COLLECTIVES.items()}, "dtype": {v: str(k) for k, v in _DTYPE_CODES.items()},
              "op": {v: str(k) for k, v in _REDUCE_OPS.items()}}
     fields = ("collective", "numel", "bits", "inter_bits", "block_size", "dtype", "op")
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    ranks = group_ranks(group)
     rows = ", ".join(f"rank {r}: " + " ".join(f"{f}={names.get(f, {}).get(int(v), int(v))}" for f, v in zip(fields, row))
                      for r, row in zip(ranks, every.tolist()))
     raise RankMismatchError(f"qcoll {collective}: ranks passed different metadata (QCOLL_DEBUG check): {rows}",
-                            collective, dist.get_rank())
+                            collective, my_rank(group))

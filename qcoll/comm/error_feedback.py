@@ -1,0 +1,144 @@
+"""Error feedback for the quantized reductions: the residual a rank failed to send, kept by
+the caller and added back before the next quantization (docs/FORMAT.md "Error feedback").
+
+The collectives stay stateless: the caller holds one :class:`ErrorFeedback` per tensor it
+reduces (as it holds a :class:`~qcoll.comm.SecondaryShard` per hpZ shard) and passes it on
+every call for that tensor. Over many calls, what the group receives then sums to what it
+was sent up to one call's rounding, instead of accumulating each call's rounding: the bias
+that makes 2-bit reductions drift is fed back rather than lost.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..checks import check_int
+
+RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class ErrorFeedback:
+    """The residuals of one tensor's quantized all-reduce on one rank.
+
+    ``send``: fp32 (or bf16) ``[g * S]``, what the reduce-scatter stage failed to send of the
+    ``g`` slices (``S = ceil(numel / g)``, ``g`` the group's size); ``own``: ``[S]``, what the
+    all-gather stage failed to send of the reduced slice this rank owns. Memory per rank:
+    ``(g + 1) * S`` residual elements, about ``(1 + 1/g)`` times the tensor's numel.
+
+    Built empty, it takes its shape from the first call that uses it (``numel`` and the group's
+    size); built with ``numel`` and ``group_size`` it is fixed from the start. A call with
+    another shape is a ValueError naming both. ``reset()`` forgets the residuals (a group whose
+    membership changed: each slice has another owner). Non-finite values are never kept: a
+    residual entry that is not finite is zeroed, so one overflow does not poison every later
+    call (the call that met it still returns the non-finite value, as without error feedback).
+
+    ``state_dict()`` / ``load_state_dict()`` save and load it (torch.distributed.checkpoint or
+    ``torch.save``); the residual is per rank, so give each rank's state its own key.
+    """
+
+    def __init__(self, numel: int | None = None, group_size: int | None = None,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        if dtype not in RESIDUAL_DTYPES:
+            raise ValueError(f"dtype must be one of {RESIDUAL_DTYPES}, got {dtype!r}")
+        if (numel is None) != (group_size is None):
+            raise ValueError(f"numel and group_size are given together or not at all, got numel={numel!r}, "
+                             f"group_size={group_size!r}")
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.numel: int | None = None
+        self.group_size: int | None = None
+        self.send: torch.Tensor | None = None
+        self.own: torch.Tensor | None = None
+        self.calls = 0
+        if numel is not None:
+            self._allocate(check_int(numel, "numel", minimum=0), check_int(group_size, "group_size", minimum=1))
+
+    # ---------------------------------------------------------------- shape
+
+    def _allocate(self, numel: int, group_size: int) -> None:
+        S = -(-numel // group_size)
+        self.numel, self.group_size = numel, group_size
+        self.send = torch.zeros(group_size * S, dtype=self.dtype, device=self.device)
+        self.own = torch.zeros(S, dtype=self.dtype, device=self.device)
+
+    def bind(self, numel: int, group_size: int, device: torch.device, name: str = "error_feedback") -> None:
+        """Take this shape on first use, or check that it is the one the state was built for."""
+        if self.numel is None:
+            self.device = torch.device(device)
+            self._allocate(numel, group_size)
+            return
+        if (self.numel, self.group_size) != (numel, group_size):
+            raise ValueError(f"{name} was built for a tensor of {self.numel} elements over a group of "
+                             f"{self.group_size} ranks, but this call reduces {numel} elements over {group_size} "
+                             f"ranks: hold one ErrorFeedback per tensor (and reset() it when the group changes)")
+        if self.send.device != torch.device(device):
+            raise ValueError(f"{name}'s residuals are on {self.send.device}, the tensor is on {device}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this state holds (0 before its first use)."""
+        return 0 if self.send is None else (self.send.numel() + self.own.numel()) * self.send.element_size()
+
+    def reset(self) -> None:
+        """Zero the residuals (keeps the shape)."""
+        if self.send is not None:
+            self.send.zero_()
+            self.own.zero_()
+        self.calls = 0
+
+    # ---------------------------------------------------------------- the update
+
+    @staticmethod
+    def compensate(values: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """fp32 ``values + residual`` (what is quantized in place of ``values``)."""
+        return values.float() + residual.view(values.shape)
+
+    @staticmethod
+    def keep(residual: torch.Tensor, compensated: torch.Tensor, decoded: torch.Tensor) -> None:
+        """``residual = compensated - decoded`` (what the wire lost), non-finite entries zeroed."""
+        lost = compensated - decoded.view(compensated.shape)
+        lost.masked_fill_(~torch.isfinite(lost), 0.0)
+        residual.copy_(lost.view(-1))
+
+    # ---------------------------------------------------------------- state
+
+    def state_dict(self) -> dict:
+        """``{"numel", "group_size", "send", "own", "calls"}`` (tensors are the live residuals)."""
+        return {"numel": self.numel, "group_size": self.group_size, "send": self.send, "own": self.own,
+                "calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load a state saved by :meth:`state_dict`; a state of another shape (another tensor, group
+        size or model) is a ValueError and changes nothing."""
+        if not isinstance(state, dict) or set(state) != {"numel", "group_size", "send", "own", "calls"}:
+            raise ValueError(f"not an ErrorFeedback state: keys {sorted(state) if isinstance(state, dict) else state!r}")
+        numel, g = state["numel"], state["group_size"]
+        if numel is None:
+            if state["send"] is not None or state["own"] is not None:
+                raise ValueError("an ErrorFeedback state without a shape holds residuals")
+            if self.numel is not None:
+                raise ValueError(f"the saved ErrorFeedback was never used, this one holds {self.numel} elements")
+            self.calls = check_int(state["calls"], "calls", minimum=0)
+            return
+        check_int(numel, "numel", minimum=0)
+        check_int(g, "group_size", minimum=1)
+        if self.numel is not None and (self.numel, self.group_size) != (numel, g):
+            raise ValueError(f"the saved ErrorFeedback is for {numel} elements over {g} ranks, this one for "
+                             f"{self.numel} over {self.group_size}: it was saved for another tensor or model")
+        S = -(-numel // g)
+        for key, n in (("send", g * S), ("own", S)):
+            t = state[key]
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (n,) or not t.is_floating_point():
+                raise ValueError(f"ErrorFeedback state {key!r} must be a float tensor of shape ({n},), got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"ErrorFeedback state {key!r} holds non-finite values")
+        calls = check_int(state["calls"], "calls", minimum=0)
+        if self.numel is None:
+            self._allocate(numel, g)
+        self.send.copy_(state["send"])
+        self.own.copy_(state["own"])
+        self.calls = calls
+
+    def __repr__(self) -> str:
+        shape = "unbound" if self.numel is None else f"numel={self.numel}, group_size={self.group_size}"
+        return f"ErrorFeedback({shape}, dtype={self.dtype}, calls={self.calls})"
