@@ -1,0 +1,220 @@
+"""qcoll inside torchft: QuantizedProcessGroup as the Manager's process group, two replica
+groups (processes) and torchft's in-process lighthouse, on CPU/gloo.
+
+Oracles: float64 numpy for the outer all-reduce; the same DiLoCo run on torchft's own
+ProcessGroupGloo (unquantized) for training.
+"""
+import multiprocessing as mp
+import os
+import traceback
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+
+torchft = pytest.importorskip("torchft", reason="torchft is not installed: pip install 'qcoll[torchft]'")
+
+from torchft._torchft import LighthouseServer  # noqa: E402
+
+TIMEOUT_S = 120
+
+
+def _manager(replica_id, lighthouse, pg, state):
+    import torch.distributed as dist
+    from torchft import Manager
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(pg=pg, min_replica_size=2, load_state_dict=lambda sd: state["load"](sd),
+                      state_dict=lambda: state["save"](), replica_id=f"replica{replica_id}", store_addr="localhost",
+                      store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
+                      use_async_quorum=False, timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=30))
+    return manager, store
+
+
+def _pg(kind):
+    from torchft.process_group import ProcessGroupGloo
+    from qcoll.integrations.torchft import QuantizedProcessGroup
+    if kind == "gloo":
+        return ProcessGroupGloo(timeout=timedelta(seconds=20))
+    bits, feedback = kind
+    return QuantizedProcessGroup(bits=bits, error_feedback=feedback, timeout=timedelta(seconds=20))
+
+
+def _allreduce(replica_id, lighthouse, kind):
+    """Three outer all-reduces of seeded tensors through Manager.allreduce (an average)."""
+    pg = _pg(kind)
+    state = {"load": lambda sd: None, "save": lambda: {}}
+    manager, _store = _manager(replica_id, lighthouse, pg, state)
+    if kind != "gloo":
+        pg.attach(manager)
+    sent, got = [], []
+    try:
+        for step in range(3):
+            manager.start_quorum()
+            x = torch.randn(3000, generator=torch.Generator().manual_seed(10 * step + replica_id))
+            sent.append(x.numpy().copy())
+            manager.allreduce(x).wait()
+            assert manager.should_commit(), manager.errored()
+            got.append(x.numpy())
+        counts = (pg.quantized_calls, dict(pg.passed), pg.resets, pg.residual_bytes) if kind != "gloo" else None
+        return np.stack(sent), np.stack(got), counts
+    finally:
+        manager.shutdown(wait=False)
+
+
+def _diloco(replica_id, lighthouse, kind, fragments, steps):
+    """DiLoCo on a small MLP: AdamW inside, SGD Nesterov outside, H=4 (Streaming with 2 fragments)."""
+    from torchft.local_sgd import DiLoCo
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    outer = [torch.optim.SGD(model.parameters() if fragments == 1 else f.parameters(), lr=0.7, momentum=0.9,
+                             nesterov=True) for f in ([model] if fragments == 1 else [model[0], model[2]])]
+    state = {"load": model.load_state_dict, "save": model.state_dict}
+    pg = _pg(kind)
+    manager, _store = _manager(replica_id, lighthouse, pg, state)
+    if kind != "gloo":
+        pg.attach(manager, fragments=fragments)
+    gen = torch.Generator().manual_seed(100 + replica_id)
+    target = torch.nn.Linear(32, 32)
+    torch.nn.init.normal_(target.weight, generator=torch.Generator().manual_seed(5))
+    frags = [model] if fragments == 1 else [model[0], model[2]]
+    try:
+        with DiLoCo(manager, frags, inner, outer if fragments > 1 else outer[0], sync_every=4,
+                    fragment_sync_delay=1 if fragments > 1 else 0) as diloco:
+            for _ in range(steps):
+                x = torch.randn(16, 32, generator=gen)
+                loss = torch.nn.functional.mse_loss(model(x), target(x).detach())
+                inner.zero_grad()
+                loss.backward()
+                inner.step()
+        # the global parameters (each fragment's anchor): what every replica must agree on
+        anchors = {f"{i}.{k}": v.numpy().copy() for i, f in enumerate(diloco._fragments)
+                   for k, v in f.original_parameters.items()}
+        return anchors, manager.current_step()
+    finally:
+        manager.shutdown(wait=False)
+
+
+def _child(fn, args, out):
+    try:
+        out.put(("ok", fn(*args)))
+    except BaseException:
+        out.put(("error", traceback.format_exc()))
+    out.close()
+    out.join_thread()   # the result reaches the pipe before the process ends
+    os._exit(0)         # (no wait for torchft's manager threads)
+
+
+def _run_replicas(fn, *args):
+    """``fn(replica_id, lighthouse_address, *args)`` on two replica processes."""
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    ctx = mp.get_context("spawn")
+    out = [ctx.Queue() for _ in range(2)]
+    procs = [ctx.Process(target=_child, args=(fn, (r, lighthouse.address()) + args, out[r])) for r in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        results = []
+        for r in range(2):
+            status, value = out[r].get(timeout=TIMEOUT_S)
+            assert status == "ok", f"replica {r}:\n{value}"
+            results.append(value)
+        return results
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        lighthouse.shutdown()
+
+
+@pytest.mark.parametrize("bits", [8, 2])
+def test_the_managers_all_reduce_is_qcolls_quantized_average(bits):
+    results = _run_replicas(_allreduce, (bits, True))
+    sent = np.stack([r[0] for r in results]).astype(np.float64)   # [replica, step, n]
+    exact = sent.mean(0)
+    assert np.array_equal(results[0][1], results[1][1])            # both replicas, the same values
+    # 2 bits is 3 levels (-1, 0, 1) x the block's absmax: each stage may round by half of it,
+    # on values with the last call's residual added
+    bound = {8: 0.02, 2: 2.5}[bits] * np.abs(sent).max()
+    assert np.abs(results[0][1] - exact).max() <= bound
+    calls, passed, resets, residual = results[0][2]
+    assert calls == 3 and resets >= 1
+    assert residual == (2 * 1500 + 1500) * 4                        # one slot: (g + 1) * S fp32
+    if bits == 2:   # with error feedback, three calls' results sum to the exact sums within one call's error
+        one = np.abs(results[0][1][-1] - exact[-1]).max()
+        assert np.abs(results[0][1].sum(0) - exact.sum(0)).max() <= 3 * one
+
+
+def test_quantization_off_passes_through_and_is_counted():
+    results = _run_replicas(_allreduce, (None, False))
+    sent = np.stack([r[0] for r in results]).astype(np.float64)
+    assert np.allclose(results[0][1], sent.mean(0), atol=1e-6)
+    calls, passed, _, residual = results[0][2]
+    assert calls == 0 and passed["allreduce"] == 3 and residual == 0
+
+
+def test_diloco_with_qcolls_8_bit_outer_sync_tracks_torchfts_own():
+    plain = _run_replicas(_diloco, "gloo", 1, 12)
+    quant = _run_replicas(_diloco, (8, True), 1, 12)
+    for run in (plain, quant):
+        assert run[0][1] == run[1][1] == 3                       # three outer steps committed
+        for k in run[0][0]:
+            assert np.array_equal(run[0][0][k], run[1][0][k])     # the replicas agree exactly
+    for k, ref in plain[0][0].items():
+        assert np.abs(quant[0][0][k] - ref).max() <= 0.02 * np.abs(ref).max(), k
+
+
+def test_streaming_diloco_with_2_bit_feedback_commits_every_fragment():
+    run = _run_replicas(_diloco, (2, True), 2, 12)
+    assert run[0][1] == run[1][1] == 6                           # 2 fragments, every 2 steps
+    for k in run[0][0]:
+        assert np.array_equal(run[0][0][k], run[1][0][k])
+        assert np.isfinite(run[0][0][k]).all()
+
+
+def test_arguments_are_checked():
+    from torchft.process_group import ProcessGroupDummy
+    from qcoll.integrations.torchft import QuantizedProcessGroup
+    with pytest.raises(ValueError, match="bits must be 8, 4, 2 or None, got 6"):
+        QuantizedProcessGroup(bits=6)
+    with pytest.raises(TypeError, match="ProcessGroupWrapper"):
+        QuantizedProcessGroup(pg=ProcessGroupDummy(0, 1))
+    with pytest.raises(TypeError, match="torchft Manager"):
+        QuantizedProcessGroup().attach(object())
+
+
+class _Steps:
+    """What QuantizedProcessGroup reads of a torchft Manager: its step."""
+
+    def __init__(self):
+        self.step = 0
+
+    def current_step(self):
+        return self.step
+
+
+def test_a_new_quorum_forgets_every_residual_and_a_wrong_fragment_count_is_named():
+    import torch.distributed as dist
+    from qcoll.integrations.torchft import QuantizedProcessGroup
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    pg = QuantizedProcessGroup(bits=2)
+    pg.configure(f"localhost:{store.port}/q1", "r0", 0, 1)
+    steps = _Steps()
+    pg.attach(steps, fragments=2)
+    pg.size = lambda: 2            # the residual slots as two replicas would key them (no peer needed)
+    a = pg._slot(torch.zeros(100))
+    a.bind(100, 2, torch.device("cpu"))
+    a.send.fill_(1.0)
+    assert pg._slot(torch.zeros(50)) is not a and pg._slot(torch.zeros(7)) is not a   # positions 1, 2
+    steps.step = 2                 # the same fragment (step % 2), its first all-reduce: the same residual
+    assert pg._slot(torch.zeros(100)) is a
+    steps.step = 4
+    with pytest.raises(ValueError, match=r"all-reduce 0 of fragment 0 reduces 99 elements over 2 replicas, but its "
+                                         r"residual was kept for 100 over 2: pass attach\(manager, fragments=\)"):
+        pg._slot(torch.zeros(99))
+    pg.configure(f"localhost:{store.port}/q2", "r0", 0, 1)   # a new quorum
+    assert pg.resets == 2 and pg.residual_bytes == 0
+    assert pg._slot(torch.zeros(100)) is not a
+    pg.shutdown()
