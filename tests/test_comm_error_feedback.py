@@ -39,8 +39,8 @@ def test_a_state_refuses_another_shape_and_another_models_state():
     ef = qcoll.ErrorFeedback()
     ef.bind(1000, 4, torch.device("cpu"))
     assert ef.nbytes == (4 * 250 + 250) * 4
-    with pytest.raises(ValueError, match=r"built for a tensor of 1000 elements over a group of 4 ranks, but this "
-                                         r"call reduces 999 elements over 4"):
+    with pytest.raises(ValueError, match=r"built for an all-reduce of 1000 elements over 4 ranks, but this "
+                                         r"call is an all-reduce of 999 elements over 4 ranks"):
         ef.bind(999, 4, torch.device("cpu"))
     with pytest.raises(ValueError, match="over 2 ranks"):
         ef.bind(1000, 2, torch.device("cpu"))
@@ -143,7 +143,7 @@ def _wrong_shape(rank, world):
 
 def test_a_state_for_another_tensor_is_refused_before_sending(ranks4):
     for msg in ranks4.run(_wrong_shape):
-        assert "built for a tensor of 1000 elements" in msg and "1001 elements" in msg
+        assert "built for an all-reduce of 1000 elements" in msg and "1001 elements" in msg
 
 
 def _non_finite(rank, world):
@@ -200,3 +200,79 @@ def test_the_state_saves_and_resumes_with_dcp_bit_for_bit(ranks4):
     with tempfile.TemporaryDirectory() as d:
         for same, calls in ranks4.run(_save_resume, os.path.join(d, "ckpt")):
             assert same and calls == 10
+
+
+# ---------------------------------------------------------------- qgZ (2 nodes x 2 ranks)
+
+def _qgz_steps(rank, world, bits, feedback, steps=STEPS):
+    topo = qcoll.Topology(2)
+    ef = qcoll.ErrorFeedback() if feedback else None
+    gen = torch.Generator().manual_seed(2000 + rank)
+    xs, outs = [], []
+    for _ in range(steps):
+        x = torch.randn(world * N, generator=gen) * 0.1 + 0.02 * (rank + 1)
+        out = torch.empty(N)
+        qcoll.reduce_scatter_quantized(out, x, bits=bits, block_size=BLOCK, topology=topo, error_feedback=ef)
+        xs.append(x.numpy())
+        outs.append(out.numpy())
+    res = (ef.send.numpy().copy(), ef.own.numpy().copy(), ef.nbytes) if feedback else None
+    return np.stack(xs), np.stack(outs), res
+
+
+@pytest.mark.parametrize("bits", [2, (4, 2)])
+def test_qgz_results_plus_both_hops_residuals_are_the_exact_sums(ranks4, bits):
+    outcomes = ranks4.run(_qgz_steps, bits, True)
+    W, Nn, L = 4, 2, 2
+    inputs = np.stack([o[0] for o in outcomes]).astype(np.float64).reshape(W, STEPS, Nn, L, N)
+    exact = inputs.sum(0).sum(0)                                   # [n, l, N]: summed over ranks and steps
+    r1 = np.stack([o[2][0] for o in outcomes]).astype(np.float64).reshape(W, Nn, L, N)
+    r2 = np.stack([o[2][1] for o in outcomes]).astype(np.float64).reshape(Nn, L, Nn, N)   # [m, l, n, S]
+    assert outcomes[0][2][2] == (W * N + Nn * N) * 4               # memory: the input's size + N x S, fp32
+    scale = np.abs(inputs).max() * W
+    for rank in range(W):
+        n, l = divmod(rank, L)
+        received = outcomes[rank][1].astype(np.float64).sum(0)
+        left = r1[:, n, l].sum(0) + r2[:, l, n].sum(0)
+        assert np.abs(received + left - exact[n, l]).max() <= 1e-5 * STEPS * scale, rank
+        one_call = np.abs(outcomes[rank][1][-1] - inputs[:, -1, n, l].sum(0)).max()
+        assert np.abs(received - exact[n, l]).max() <= 3 * one_call + 1e-6
+
+
+def test_qgz_feedback_removes_the_drift_of_2_bit_gradients(ranks4):
+    fed = ranks4.run(_qgz_steps, 2, True)
+    plain = ranks4.run(_qgz_steps, 2, False)
+    inputs = np.stack([o[0] for o in fed]).astype(np.float64).reshape(4, STEPS, 4, N)
+    for rank in range(4):
+        exact = inputs[:, :, rank].sum(0).sum(0)
+        drift_fed = np.abs(fed[rank][1].astype(np.float64).sum(0) - exact).mean()
+        drift_plain = np.abs(plain[rank][1].astype(np.float64).sum(0) - exact).mean()
+        assert drift_fed * 4 < drift_plain, (rank, drift_fed, drift_plain)
+
+
+def _qgz_mixed(rank, world):
+    topo = qcoll.Topology(2)
+    ef = qcoll.ErrorFeedback() if rank != 1 else None
+    try:
+        qcoll.reduce_scatter_quantized(torch.empty(N), torch.randn(world * N), bits=2, block_size=BLOCK,
+                                       topology=topo, error_feedback=ef)
+    except qcoll.RankMismatchError as e:
+        return str(e)
+
+
+def test_qgz_one_rank_without_feedback_raises_on_every_rank(ranks4):
+    msgs = ranks4.run(_qgz_mixed)
+    assert all(m is not None for m in msgs), msgs
+    assert "received from rank 1 a frame with error feedback off (rank 0 has it on)" in msgs[0]
+    assert "error feedback on (rank 1 has it off)" in msgs[1]
+
+
+def test_qgz_feedback_refuses_what_it_cannot_feed_back():
+    ef = qcoll.ErrorFeedback()
+    ef.bind(4000, 4, torch.device("cpu"), collective="reduce_scatter", nodes=2)
+    with pytest.raises(ValueError, match=r"built for a qgZ reduce-scatter of 4000 elements over 4 ranks in 2 nodes, "
+                                         r"but this call is an all-reduce of 4000"):
+        ef.bind(4000, 4, torch.device("cpu"))
+    state = ef.state_dict()
+    other = qcoll.ErrorFeedback()
+    other.load_state_dict(state)
+    assert other.send.shape == (4000,) and other.own.shape == (2000,)

@@ -218,3 +218,13 @@ def test_a_new_quorum_forgets_every_residual_and_a_wrong_fragment_count_is_named
     assert pg.resets == 2 and pg.residual_bytes == 0
     assert pg._slot(torch.zeros(100)) is not a
     pg.shutdown()
+
+
+def test_torchfts_own_quantization_through_the_group_is_refused():
+    """torchft's should_quantize=True (FP8 through triton) reaches the group as an all-to-all from
+    torchft.collectives: refused by name, never quantized twice."""
+    from qcoll.integrations.torchft import QuantizedProcessGroup
+    pg = QuantizedProcessGroup(bits=4)
+    caller = {"__name__": "torchft.collectives", "pg": pg, "torch": torch}
+    with pytest.raises(ValueError, match="should_quantize=True"):
+        exec("pg.alltoall_base(torch.empty(4), torch.empty(4), [], [], None)", caller)

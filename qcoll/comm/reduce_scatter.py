@@ -13,6 +13,7 @@ from ..quant import outliers as reserve
 from ..quant import rows
 from ..quant.rng import rank_seed
 from . import framing, similarity as sim, validate
+from .error_feedback import ErrorFeedback
 from .errors import RankMismatchError
 from .handle import finish, labelled, wait_work
 from .stats import stats
@@ -84,6 +85,7 @@ def reduce_scatter_quantized(
     similarity: torch.Tensor | None = None,
     hadamard: bool = False,
     outliers: int = 0,
+    error_feedback: ErrorFeedback | None = None,
 ):
     """Reduce-scatter ``input`` over the world with quantized 2-hop all-to-all (qgZ).
 
@@ -108,6 +110,13 @@ def reduce_scatter_quantized(
     layer, at its next hook) does not wait for hop 1 at the launch. ``bits=None``
     is the unquantized ``reduce_scatter_tensor`` baseline over the world.
     ``stochastic`` rounds stochastically with ``seed`` mixed with the rank.
+
+    ``error_feedback``: this gradient's :class:`qcoll.comm.ErrorFeedback`, held by the caller
+    and passed on every call for it. Hop 1 quantizes ``input`` plus what it failed to send last
+    time (a residual of the input's size), hop 2 the node's partial sums plus its own residual
+    (``N x S``), and each keeps what its codes lost; the final reduction is unchanged. Over
+    calls, the outputs sum to the exact sums within one call's rounding (what makes 2-bit
+    gradients usable). Not with ``similarity`` or ``outliers``; every rank passes one or none.
 
     ``similarity``: a float64 accumulator of 5 values (``qcoll.comm.similarity.new_stats()``)
     to which this rank adds, for its slice, the dot product and squared norms of the two
@@ -159,6 +168,16 @@ def reduce_scatter_quantized(
         raise ValueError(f"input must have world x output numel = {W} x {S} = {W * S} elements, got {input.numel()}")
     if similarity is not None:
         sim.check_stats(similarity, input.device)
+    if error_feedback is not None:
+        if not isinstance(error_feedback, ErrorFeedback):
+            raise TypeError(f"error_feedback must be a qcoll ErrorFeedback or None, got "
+                            f"{type(error_feedback).__name__}")
+        if bits is None or similarity is not None or outliers:
+            raise ValueError(f"error_feedback needs quantized gradients without similarity or outliers, got "
+                             f"bits={bits}, similarity={'set' if similarity is not None else None}, "
+                             f"outliers={outliers}")
+        error_feedback.bind(W * S, W, input.device, collective="reduce_scatter", nodes=topology.num_nodes)
+        error_feedback.calls += 1
     validate.debug_check("reduce_scatter", None, S, bits, block_size, input.dtype, input.device, reduce_op=op)
     if bits is None and similarity is not None:
         return _plain_two_hop(output, input, topology, op == "avg", similarity, async_op)
@@ -167,7 +186,7 @@ def reduce_scatter_quantized(
     if hadamard:
         input = rows.hadamard_rows(input.reshape(W, S), block_size)
     call = _Qgz(output, input, hop_bits, block_size, topology, op == "avg", stochastic, seed, num_chunks, similarity,
-                hadamard, outliers)
+                hadamard, outliers, error_feedback)
     return finish(call.complete, async_op, "qcoll::qgZ", call.advance)
 
 
@@ -181,8 +200,9 @@ class _Qgz:
     """
 
     def __init__(self, output, input, hop_bits, block_size, topology, average, stochastic, seed, num_chunks,
-                 similarity=None, rotated=False, outliers=0):
+                 similarity=None, rotated=False, outliers=0, error_feedback=None):
         self.t, self.block_size, self.average, self.rotated = topology, block_size, average, rotated
+        self.ef = error_feedback
         self.k = outliers
         self.similarity = similarity
         self.stochastic = stochastic
@@ -212,13 +232,21 @@ class _Qgz:
     def _header(self, k: int, hop: int) -> framing.Header:
         a, b = self.chunks[k]
         return framing.Header(self.bits1 if hop == 1 else self.bits2, self.block_size, b - a, rotated=self.rotated,
-                              outliers=self.k, average=self.average)
+                              outliers=self.k, average=self.average, error_feedback=self.ef is not None)
 
     def _hop1(self, k: int):
         """Reorder and quantize chunk ``k``, send each local peer its N slices; (recv, work)."""
         a, b = self.chunks[k]
-        q1 = reserve.swizzle_quantize(self.x3[:, :, a:b].contiguous(), self.N, self.L, self.bits1, self.block_size,
+        x = self.x3[:, :, a:b]
+        if self.ef is not None:
+            residual = self.ef.send.view(self.N, self.L, -1)[:, :, a:b]
+            x = ErrorFeedback.compensate(x, residual)
+        q1 = reserve.swizzle_quantize(x.contiguous(), self.N, self.L, self.bits1, self.block_size,
                                       self.k, self.stochastic, self.seed, a)
+        if self.ef is not None:   # row l*N+n is slice (n, l): decode back into the input's order
+            sent = rows.dequantize_rows(q1.view(self.L * self.N, -1), b - a, self.bits1, self.block_size,
+                                        torch.float32).view(self.L, self.N, -1).transpose(0, 1)
+            _keep_strided(residual, x, sent)
         if self.L == 1:
             return q1.view(1, self.N, -1), None
         return all_to_all_frames(framing.frame(q1.view(self.L, -1), self._header(k, 1)), self.t.intra_group, self.L)
@@ -253,8 +281,16 @@ class _Qgz:
                 values = rows.dequantize_rows(received, b - a, self.bits1, self.block_size, torch.float32)
                 energy = sim.noise_energy(received, values, self.bits1, self.block_size, self.stochastic)
                 sim.add_half_noise(self.similarity, energy, self.t.node < sim.half_split(self.N))
-            q2 = reserve.reduce_requantize(got, b - a, self.bits1, self.bits2, self.block_size, self.k,
-                                           self.stochastic, self.seed, a)
+            if self.ef is None:
+                q2 = reserve.reduce_requantize(got, b - a, self.bits1, self.bits2, self.block_size, self.k,
+                                               self.stochastic, self.seed, a)
+            else:   # the node's partial sums plus what hop 2 failed to send last time
+                residual = self.ef.own.view(self.N, -1)[:, a:b]
+                partial = ErrorFeedback.compensate(rows.dequantize_reduce(got, b - a, self.bits1, self.block_size),
+                                                   residual)
+                q2 = rows.quantize_rows(partial, self.bits2, self.block_size, self.stochastic, self.seed, a)
+                _keep_strided(residual, partial, rows.dequantize_rows(q2, b - a, self.bits2, self.block_size,
+                                                                      torch.float32))
         return all_to_all_frames(framing.frame(q2.view(self.N, -1), header), self.t.inter_group, self.N)
 
     def _poison(self, header: framing.Header):
@@ -299,6 +335,13 @@ class _Qgz:
         sim.add_parts(self.similarity, parts, half)
         sim.add_noise(self.similarity, sim.noise_energy(contributions, parts, self.bits2, self.block_size,
                                                         self.stochastic), half)
+
+
+def _keep_strided(residual: torch.Tensor, compensated: torch.Tensor, decoded: torch.Tensor) -> None:
+    """``residual`` (a strided view into the state) = what ``decoded`` lost of ``compensated``."""
+    lost = compensated - decoded
+    lost.masked_fill_(~torch.isfinite(lost), 0.0)
+    residual.copy_(lost)
 
 
 def _plain_two_hop(output, input, topology: Topology, average: bool, similarity: torch.Tensor, async_op):
