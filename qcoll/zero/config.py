@@ -75,6 +75,12 @@ class ZeroConfig:
     :mod:`qcoll.zero.buffers`). With False each rank keeps its own; ``state_dict()`` returns
     rank 0's either way.
 
+    ``grad_error_feedback``: qgZ adds back what its codes failed to send of each group's gradient
+    at the last reduction (:class:`qcoll.ErrorFeedback`, both hops), so 2-bit gradients do not
+    drift. Each rank keeps, per group, fp32 residuals of the group's whole (unsharded) size plus
+    ``nodes / world`` of it: a full fp32 gradient per rank, reported by ``memory_report``. Needs
+    ``grad_bits``; not with ``grad_outliers`` or SimiGrad's similarity. Default False.
+
     ``ZeroConfig(weight_bits=None, hpz=False, grad_bits=None)`` is plain ZeRO-3.
     """
 
@@ -95,6 +101,7 @@ class ZeroConfig:
     hpz_partition_size: int | None = None
     broadcast_buffers: bool = True
     reshard_after_backward: bool = True
+    grad_error_feedback: bool = False
 
     def __post_init__(self):
         if self.weight_bits is not None:
@@ -117,8 +124,11 @@ class ZeroConfig:
         fmt.check_block_size(self.weight_block, "weight_block")
         fmt.check_block_size(self.grad_block, "grad_block")
         for name in ("hpz", "stochastic_grad_rounding", "grad_hadamard", "hierarchical_gather", "broadcast_buffers",
-                     "reshard_after_backward"):
+                     "reshard_after_backward", "grad_error_feedback"):
             check_bool(getattr(self, name), name)
+        if self.grad_error_feedback and (self.grad_bits is None or self.grad_outliers):
+            raise ValueError(f"grad_error_feedback=True needs quantized gradients without an outlier reserve, got "
+                             f"grad_bits={self.grad_bits}, grad_outliers={self.grad_outliers}")
         check_int(self.prefetch, "prefetch", minimum=0)
         check_int(self.persist_threshold, "persist_threshold", minimum=0)
         check_int(self.reduce_bucket_numel, "reduce_bucket_numel", minimum=0)

@@ -44,7 +44,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import SecondaryShard, Topology, all_gather_quantized, reduce_scatter_quantized, replica_gather
+from ..comm import (ErrorFeedback, SecondaryShard, Topology, all_gather_quantized, reduce_scatter_quantized,
+                    replica_gather)
+from ..comm.handle import Handle
+from .grad_feedback import bucket_feedback, split_feedback
 from . import user_grads
 from .config import ZeroConfig
 from .group_state import GatherState, GradState, assert_in
@@ -108,6 +111,10 @@ class FlatGroup:
         self.proxies = {}
         #: parameter index -> whether it had a gradient, while a torch optimizer steps its shard
         self.exposed = {}
+        #: qgZ's residuals of this group's gradient (``config.grad_error_feedback``; bound at the
+        #: first reduction)
+        self.grad_feedback: ErrorFeedback | None = (
+            ErrorFeedback(device=self.master.device) if config.grad_error_feedback and not self.replicated else None)
 
     @property
     def trainable(self) -> bool:
@@ -460,8 +467,18 @@ def reduce_together(groups: list[FlatGroup], flats: list[torch.Tensor], seed: in
         for g, flat, a in zip(groups, flats, starts):
             rows[:, a:a + g.shard_numel].copy_(flat.view(W, g.shard_numel))
     out = torch.empty(width, dtype=torch.float32, device=device)
+    feedback = bucket_feedback(groups, starts, width) if cfg.grad_error_feedback else None
     handle = reduce_scatter_quantized(out, rows.reshape(-1), bits=cfg.grad_bits, block_size=cfg.grad_block,
                                       topology=topology, op="avg", stochastic=cfg.stochastic_grad_rounding,
                                       seed=seed if cfg.stochastic_grad_rounding else 0, async_op=True,
-                                      similarity=similarity, hadamard=cfg.grad_hadamard, outliers=cfg.grad_outliers)
+                                      similarity=similarity, hadamard=cfg.grad_hadamard, outliers=cfg.grad_outliers,
+                                      error_feedback=feedback)
+    if feedback is not None and len(groups) > 1:   # the bucket's residuals back into each group's
+        inner = handle
+
+        def complete():
+            result = inner.wait()
+            split_feedback(feedback, groups, starts, width)
+            return result
+        handle = Handle(complete, "qcoll::qgZ::wait", inner.advance)
     return handle, [out[a:a + g.shard_numel] for g, a in zip(groups, starts)]

@@ -20,7 +20,7 @@ def _nbytes(tensors) -> int:
 def memory_report(model, optimizer=None) -> dict:
     """Bytes this rank holds now: fp32 master shards (``padding``: the bytes of them that the
     block-aligned layout adds, included in ``master``), their gradients, the inner
-    optimizer's state, hpZ secondary shards, gathered full parameters (now, and the
+    optimizer's state, hpZ secondary shards, qgZ's error-feedback residuals (``grad_feedback``), gathered full parameters (now, and the
     most held at once since sharding: ``gathered_peak``), and what
     ZeRO-3's rule predicts (``16 x params / world`` for fp32 Adam, plus
     ``params / L x bits / 8`` for the hpZ secondary while it is held)."""
@@ -36,6 +36,7 @@ def memory_report(model, optimizer=None) -> dict:
         "grad": _nbytes(g.master.grad for g in groups),
         "optimizer_state": 0,
         "secondary": _nbytes(g.secondary.rows for g in groups if g.secondary is not None),
+        "grad_feedback": sum(g.grad_feedback.nbytes for g in groups if getattr(g, "grad_feedback", None) is not None),
         "gathered": sum(g.gathered_nbytes() for g in groups),
         "gathered_peak": state.engine.peak_gathered_bytes,
     }

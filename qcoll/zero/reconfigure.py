@@ -6,7 +6,8 @@ computes exactly what a run using each configuration for the same steps computes
 
 What may change: the quantization of the weight gathers (``weight_bits``, ``weight_outliers``) and
 of the gradient reduce-scatter (``grad_bits``, ``grad_block``, ``grad_hadamard``, ``grad_outliers``,
-``stochastic_grad_rounding``), ``hpz``, ``prefetch``, ``hierarchical_gather``,
+``stochastic_grad_rounding``, ``grad_error_feedback``: residuals kept across changes of width, made or
+dropped as it turns on or off, forgotten when the rotation changes), ``hpz``, ``prefetch``, ``hierarchical_gather``,
 ``reduce_bucket_numel``, ``hpz_partition_size``, ``broadcast_buffers`` and
 ``reshard_after_backward``. What may not, because the layout or the groups were built from it:
 ``compute_dtype`` (the gathered buffers' dtype), ``persist_threshold`` (which parameters are
@@ -20,6 +21,7 @@ import dataclasses
 
 from ..comm.agreement import Agreement, wait_timeout
 from .config import ZeroConfig
+from .grad_feedback import follow_config
 from .state import state_of
 
 #: fields fixed at :func:`qcoll.zero.shard` (the layout and the groups depend on them)
@@ -89,6 +91,7 @@ def reconfigure(model, config: ZeroConfig) -> ZeroConfig:
     state.config = state.engine.config = config
     for g in state.groups:
         g.config = config
+        follow_config(g, old, config)
     return old
 
 
@@ -110,7 +113,9 @@ def with_knobs(config: ZeroConfig, **knobs) -> ZeroConfig:
     if not fields["hpz"]:
         fields["hpz_partition_size"] = None
     if fields["grad_bits"] is None:
-        fields["grad_hadamard"], fields["grad_outliers"] = False, 0
+        fields["grad_hadamard"], fields["grad_outliers"], fields["grad_error_feedback"] = False, 0, False
+    if fields["grad_outliers"]:
+        fields["grad_error_feedback"] = False
     if fields["weight_bits"] is None:
         fields["weight_outliers"] = 0
     return ZeroConfig(**fields)

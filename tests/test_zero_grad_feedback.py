@@ -1,0 +1,89 @@
+"""qgZ's error feedback inside qcoll.zero (ZeroConfig.grad_error_feedback), against the
+unquantized reduce-scatter of plain ZeRO-3 as the oracle.
+
+The same batch backpropagated T times: with error feedback the T reduced gradients sum to T
+times the exact one within one reduction's rounding; without it, each reduction's rounding adds
+up. A coalesced reduction (reduce_bucket_numel) lays the groups' residuals side by side and must
+give exactly what each group's own reduction gives.
+"""
+import numpy as np
+import pytest
+import torch
+
+import qcoll
+from qcoll import zero
+from qcoll.testing.data import Batches, corpus
+from qcoll.testing.models import tiny_model
+from qcoll.zero.state import state_of
+
+REPEATS = 8
+
+
+def _summed_grads(rank, world, grad_bits, feedback, bucket):
+    topo = qcoll.Topology(2)
+    model = tiny_model(0)
+    config = zero.ZeroConfig(weight_bits=None, hpz=False, grad_bits=grad_bits, grad_error_feedback=feedback,
+                             reduce_bucket_numel=bucket)
+    m = zero.shard(model, topo, config, units=model.units())
+    x, y = Batches(corpus(), 8, 32, 4).next(rank, world)
+    groups = [g for g in state_of(m).groups if g.trainable and not g.replicated]
+    total = [torch.zeros_like(g.master, dtype=torch.float64) for g in groups]
+    for _ in range(REPEATS):
+        m(x, y).backward()
+        for t, g in zip(total, groups):
+            t += g.master.grad.double()
+            g.master.grad = None
+    report = zero.memory_report(m)
+    last = [g.master.grad for g in groups]
+    return [t.numpy() for t in total], report["grad_feedback"], sum(g.total for g in groups)
+
+
+def test_summed_2_bit_gradients_track_the_exact_ones_with_feedback(ranks4):
+    exact = ranks4.run(_summed_grads, None, False, 0)
+    fed = ranks4.run(_summed_grads, 2, True, 0)
+    plain = ranks4.run(_summed_grads, 2, False, 0)
+    for rank in range(4):
+        ref = np.concatenate([t.ravel() for t in exact[rank][0]])
+        err_fed = np.abs(np.concatenate([t.ravel() for t in fed[rank][0]]) - ref).mean()
+        err_plain = np.abs(np.concatenate([t.ravel() for t in plain[rank][0]]) - ref).mean()
+        assert err_fed * 3 < err_plain, (rank, err_fed, err_plain)
+        # memory: each group's whole size plus nodes / world of it, fp32 (padding included)
+        assert fed[rank][1] >= fed[rank][2] * 4 * 1.5 and plain[rank][1] == 0
+
+
+def test_a_coalesced_reduction_carries_each_groups_residual_bit_for_bit(ranks4):
+    alone = ranks4.run(_summed_grads, 2, True, 0)
+    bucketed = ranks4.run(_summed_grads, 2, True, 10 ** 9)   # every group in one reduction
+    for a, b in zip(alone, bucketed):
+        for x, y in zip(a[0], b[0]):
+            assert np.array_equal(x, y)
+
+
+def test_the_config_refuses_what_cannot_be_fed_back():
+    with pytest.raises(ValueError, match="grad_error_feedback=True needs quantized gradients"):
+        zero.ZeroConfig(grad_bits=None, grad_error_feedback=True)
+    with pytest.raises(ValueError, match="grad_outliers=2"):
+        zero.ZeroConfig(grad_bits=2, grad_outliers=2, grad_error_feedback=True)
+    with pytest.raises(TypeError, match="grad_error_feedback"):
+        zero.ZeroConfig(grad_error_feedback="yes")
+
+
+def _reconfigured(rank, world):
+    topo = qcoll.Topology(2)
+    model = tiny_model(0)
+    m = zero.shard(model, topo, zero.ZeroConfig(grad_bits=2, grad_error_feedback=True), units=model.units())
+    x, y = Batches(corpus(), 8, 32, 4).next(rank, world)
+    m(x, y).backward()
+    groups = [g for g in state_of(m).groups if not g.replicated and g.trainable]
+    held = [g.grad_feedback.send.abs().sum().item() for g in groups]
+    zero.reconfigure(m, zero.ZeroConfig(grad_bits=4, grad_error_feedback=True))
+    kept = [g.grad_feedback.send.abs().sum().item() for g in groups]
+    zero.reconfigure(m, zero.ZeroConfig(grad_bits=4))
+    dropped = [g.grad_feedback for g in groups]
+    return held, kept, dropped, zero.memory_report(m)["grad_feedback"]
+
+
+def test_reconfigure_keeps_residuals_across_widths_and_frees_them_when_turned_off(ranks4):
+    for held, kept, dropped, nbytes in ranks4.run(_reconfigured):
+        assert all(h > 0 for h in held) and kept == held
+        assert all(d is None for d in dropped) and nbytes == 0
