@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from ..comm import Topology, all_gather_quantized, reduce_scatter_quantized
+from ..comm import ErrorFeedback, Topology, all_gather_quantized, reduce_scatter_quantized
 from ..comm import validate
 from ..comm.c10d import reduce_scatter_flat
 from ..comm.handle import wait_work
@@ -197,16 +197,20 @@ class QuantizedReduceScatter(_Allocate, ReduceScatter):
     ``stochastic`` as :func:`qcoll.reduce_scatter_quantized`. FSDP2's op ``AVG`` (its
     default for fp32 and bf16 gradients) divides by the world size, ``SUM`` does not.
     A group inside one node is reduced unquantized (``reduce_scatter_tensor``).
+    ``error_feedback``: keep this module's qgZ residuals (``self.feedback``, a
+    :class:`qcoll.ErrorFeedback`: fp32 of the module's whole gradient plus ``nodes / world`` of it).
     """
 
     def __init__(self, topology: Topology, bits: int | tuple[int, int] = 4,
-                 block_size: int = fmt.DEFAULT_GRAD_BLOCK, hadamard: bool = False, stochastic: bool = False):
+                 block_size: int = fmt.DEFAULT_GRAD_BLOCK, hadamard: bool = False, stochastic: bool = False,
+                 error_feedback: bool = False):
         validate.check_topology(topology)
         if validate.check_hop_bits(bits, block_size) is None:
             raise ValueError("bits=None: leave FSDP2's own reduce-scatter in place instead "
                              "(quantize_comm(grad_bits=None))")
         self.topology, self.bits, self.block_size = topology, bits, block_size
         self.hadamard, self.stochastic = hadamard, stochastic
+        self.feedback = ErrorFeedback() if error_feedback else None
 
     def __repr__(self) -> str:
         return f"QuantizedReduceScatter(bits={self.bits}, block_size={self.block_size}, {self.topology!r})"
@@ -224,5 +228,5 @@ class QuantizedReduceScatter(_Allocate, ReduceScatter):
             raise ValueError(f"qgZ reduces over the whole world; FSDP2 reduced over ranks {group_ranks(group)}, "
                              f"which spans nodes of {self.topology!r} but is not the world")
         reduce_scatter_quantized(output_tensor, input_tensor, self.bits, self.block_size, self.topology, op=name,
-                                 stochastic=self.stochastic, hadamard=self.hadamard)
+                                 stochastic=self.stochastic, hadamard=self.hadamard, error_feedback=self.feedback)
         return None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import Topology, all_reduce_quantized
+from ..comm import ErrorFeedback, Topology, all_reduce_quantized
 from ..quant import format as fmt
 
 #: where the replicate group FSDP2 built is kept while the singleton one stands in for it
@@ -42,9 +42,12 @@ class QuantizedAllReduceHook:
     across replicas).
     """
 
-    def __init__(self, group, bits: int = 4, block_size: int = fmt.DEFAULT_GRAD_BLOCK, param_group=None):
+    def __init__(self, group, bits: int = 4, block_size: int = fmt.DEFAULT_GRAD_BLOCK, param_group=None,
+                 error_feedback: bool = False):
         self.group, self.bits, self.block_size = group, bits, block_size
         self._param_group = param_group
+        #: the all-reduce's residuals (``error_feedback=True``): about (1 + 1/nodes) x the shard's fp32 bytes
+        self.feedback = ErrorFeedback() if error_feedback else None
 
     def __repr__(self) -> str:
         return f"QuantizedAllReduceHook(bits={self.bits}, block_size={self.block_size})"
@@ -52,7 +55,7 @@ class QuantizedAllReduceHook:
     def __call__(self, reduce_output: torch.Tensor) -> None:
         factor = getattr(self._param_group, "gradient_divide_factor", None)
         all_reduce_quantized(reduce_output, self.bits, self.block_size, group=self.group,
-                             op="avg" if factor is None else "sum")
+                             op="avg" if factor is None else "sum", error_feedback=self.feedback)
 
 
 def check_installable(param_group) -> None:
@@ -64,7 +67,7 @@ def check_installable(param_group) -> None:
                          f"(set_all_reduce_hook) or pass quantize_comm(grad_bits=None)")
 
 
-def install(param_group, topology: Topology, bits: int, block_size: int) -> None:
+def install(param_group, topology: Topology, bits: int, block_size: int, error_feedback: bool = False) -> None:
     """Quantize ``param_group``'s (an FSDP2 ``FSDPParamGroup`` on an HSDP mesh) all-reduce."""
     check_installable(param_group)
     mesh_info = param_group.mesh_info
@@ -72,7 +75,7 @@ def install(param_group, topology: Topology, bits: int, block_size: int) -> None
         setattr(mesh_info, ORIGINAL_ATTR, mesh_info.replicate_process_group)
     mesh_info.replicate_process_group = _singleton_group(topology.world_size)
     param_group._all_reduce_hook = QuantizedAllReduceHook(getattr(mesh_info, ORIGINAL_ATTR), bits, block_size,
-                                                          param_group)
+                                                          param_group, error_feedback)
 
 
 def uninstall(param_group) -> None:

@@ -20,7 +20,7 @@ from .comms import QuantizedAllGather, QuantizedReduceScatter, group_ranks, is_w
 def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight_bits: int | None = 8,
                   grad_bits: int | tuple[int, int] | None = 4, weight_block: int = fmt.DEFAULT_WEIGHT_BLOCK,
                   grad_block: int = fmt.DEFAULT_GRAD_BLOCK, hpz: bool = True, hadamard: bool = False,
-                  timeout: datetime.timedelta | None = None) -> list[FSDPModule]:
+                  error_feedback: bool = False, timeout: datetime.timedelta | None = None) -> list[FSDPModule]:
     """Put qcoll's quantized collectives into every FSDP2 module under ``module``.
 
     Call it on every rank after ``fully_shard`` and before the first forward (a
@@ -56,6 +56,10 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
     ``weight_bits=None`` / ``grad_bits=None`` leaves that collective as FSDP2's own (a
     previous call's is removed). ``weight_block`` / ``grad_block``: elements per fp32
     scale. ``hadamard``: rotate the gradient blocks before quantizing (qgZ).
+    ``error_feedback``: the quantized gradient reduction (qgZ, or HSDP's all-reduce) adds back
+    what it failed to send at the last step (:class:`qcoll.ErrorFeedback`, one per module, held
+    by its reduce-scatter / all-reduce hook), so 2-bit gradients do not drift; fp32 residuals of
+    each module's whole gradient on a 1-D mesh, of its shard on HSDP. Needs ``grad_bits``.
     ``qcoll.comm.stats`` counts what each group sends.
     """
     if not isinstance(module, nn.Module):
@@ -64,6 +68,9 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
     validate.check_hop_bits(grad_bits, grad_block)
     check_bool(hpz, "hpz")
     check_bool(hadamard, "hadamard")
+    check_bool(error_feedback, "error_feedback")
+    if error_feedback and grad_bits is None:
+        raise ValueError("error_feedback=True needs quantized gradients (grad_bits is None)")
     if timeout is not None and not (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0):
         raise TypeError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
     if hadamard and grad_bits is None:
@@ -81,7 +88,8 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
         raise ValueError(f"quantize_comm: the FSDP2 modules under {type(module).__name__} manage no parameters")
     topology = _topology(topology, groups[0][1].mesh_info)
     handshake.agree(dict(weight_bits=weight_bits, grad_bits=grad_bits, weight_block=weight_block,
-                         grad_block=grad_block, hpz=hpz, hadamard=hadamard, ranks_per_node=topology.ranks_per_node,
+                         grad_block=grad_block, hpz=hpz, hadamard=hadamard, error_feedback=error_feedback,
+                         ranks_per_node=topology.ranks_per_node,
                          groups=len(groups),
                          parameters=sum(p._orig_size.numel() for _, g in groups for p in g.fsdp_params)), timeout)
     for m, group in groups:          # every check before any change: an error leaves the model as it was
@@ -101,12 +109,12 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
             if grad_bits is None:
                 hybrid.uninstall(group)
             else:
-                hybrid.install(group, topology, _inter_bits(grad_bits), grad_block)
+                hybrid.install(group, topology, _inter_bits(grad_bits), grad_block, error_feedback)
             continue
         m.set_custom_all_gather(DefaultAllGather() if weight_bits is None else QuantizedAllGather(
             topology, weight_bits, weight_block, [p._orig_size for p in group.fsdp_params]))
         m.set_custom_reduce_scatter(DefaultReduceScatter() if grad_bits is None else QuantizedReduceScatter(
-            topology, grad_bits, grad_block, hadamard))
+            topology, grad_bits, grad_block, hadamard, error_feedback=error_feedback))
     if topology.num_nodes == 1 and (weight_bits is not None or grad_bits is not None):
         _warn_one_node(topology)
     return targets

@@ -35,7 +35,8 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 _PRECISION_SECTIONS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 #: ZeroConfig field -> ``quantize_comm`` keyword
 QUANTIZE_COMM_ARGS = {"weight_bits": "weight_bits", "grad_bits": "grad_bits", "weight_block": "weight_block",
-                      "grad_block": "grad_block", "hpz": "hpz", "grad_hadamard": "hadamard"}
+                      "grad_block": "grad_block", "hpz": "hpz", "grad_hadamard": "hadamard",
+                      "grad_error_feedback": "error_feedback"}
 #: ZeroConfig fields FSDP2 sets itself, not ``quantize_comm``: where
 _FSDP2_SETS = {"compute_dtype": "MixedPrecisionPolicy(param_dtype=...)",
                "reshard_after_backward": "FSDPModule.set_reshard_after_backward",
