@@ -27,7 +27,7 @@ import sys
 from .. import files
 from ..checks import int_option
 
-SUBCOMMANDS = ("collectives", "train", "cluster", "tune", "generate", "rlhf", "serve")
+SUBCOMMANDS = ("collectives", "train", "cluster", "tune", "generate", "rlhf", "serve", "diloco")
 
 PROG = "qcoll-bench"
 

@@ -50,7 +50,7 @@ from .ranks import RankFailed, _on_sigterm, _restore_signal, _set_signal
 from .linkmeter import ENV as METER_ENV
 
 NAME = "cluster"
-INNER = ("train", "collectives", "tune", "generate", "rlhf")
+INNER = ("train", "collectives", "tune", "generate", "rlhf", "diloco")
 RESERVED = ("--nproc", "--ranks-per-node", "--json", "--plot")
 MASTER_PORT = 29500          # the namespaces are new, so nothing else listens there
 GRACE_S = 5.0
