@@ -8,7 +8,8 @@ own ``ProcessGroupGloo`` (``diloco``, fp32, as users run it on CPU) or qcoll's
 ``QuantizedProcessGroup`` (``diloco-q4``; ``diloco-q2``; ``diloco-q2-ef``: 2 bits with error
 feedback). ``--fragments F --fragment-delay D``: Streaming DiLoCo (F fragments, each synced D
 steps after it was sent, so the sync overlaps compute). Synchronous modes: ``hsdp-bf16`` and
-``fsdp2-bf16`` (the peers as users configure them), ``hsdp-qcoll`` and ``fsdp2-qcoll``
+``fsdp2-bf16`` (the peers as users configure them; ``hsdp`` / ``fsdp2`` in fp32 for CPUs without
+bf16 arithmetic, where bf16 compute is emulated and slow), ``hsdp-qcoll`` and ``fsdp2-qcoll``
 (qcoll's comms inside FSDP2).
 
 The measure: every mode trains the same token budget (``--steps`` x ``--batch`` x 64 tokens) on the
@@ -40,7 +41,7 @@ from .ranks import run_ranks
 
 NAME = "diloco"
 OUTER = {"diloco": None, "diloco-q4": (4, False), "diloco-q2": (2, False), "diloco-q2-ef": (2, True)}
-SYNC = {"hsdp-bf16": "hsdp-bf16", "fsdp2-bf16": "fsdp2-bf16", "hsdp-qcoll": "hsdp-qcoll", "fsdp2-qcoll": "fsdp2-qcoll"}
+SYNC = {m: m for m in ("hsdp-bf16", "fsdp2-bf16", "hsdp", "fsdp2", "hsdp-qcoll", "fsdp2-qcoll")}
 MODES = (*OUTER, *SYNC)
 HELD_OUT_BATCHES = 4
 PORT_OFFSET = 200     # the lighthouse and the replica groups' stores: MASTER_PORT + 200 + ...
@@ -56,6 +57,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--fragments", type=cli.positive_int, default=1, help="Streaming DiLoCo's fragments (default 1)")
     p.add_argument("--fragment-delay", type=cli.nonnegative_int, default=0,
                    help="steps between sending a fragment and applying it (default 0)")
+    p.add_argument("--bucket-mb", type=float, default=0.0,
+                   help="torchft's bucketization: the outer all-reduce in flat buffers of this many MB "
+                        "(default 0: one all-reduce per parameter, torchft's default)")
     p.add_argument("--steps", type=cli.positive_int, default=100, help="steps (the token budget) per mode")
     p.add_argument("--batch", type=cli.positive_int, default=16, help="global batch, sequences of 64 bytes")
     p.add_argument("--lr", type=float, default=2e-3, help="AdamW's learning rate (inner, or the only one)")
@@ -175,7 +179,8 @@ def _diloco(args, topo, mode: str, H: int, index: int, model, opt, clock, train,
     outer = [torch.optim.SGD(f.parameters(), lr=0.7, momentum=0.9, nesterov=True) for f in fragments]
     try:
         with DiLoCo(manager, fragments, opt, outer if len(outer) > 1 else outer[0], sync_every=H,
-                    fragment_sync_delay=args.fragment_delay) as diloco:
+                    fragment_sync_delay=args.fragment_delay, use_bucketization=args.bucket_mb > 0,
+                    bucket_cap_mb=args.bucket_mb if args.bucket_mb > 0 else None) as diloco:
             synced = 0
             clock.start()
             for step in range(1, args.steps + 1):
@@ -251,7 +256,8 @@ def _run(args, topo, mode: str, H: int | None, index: int) -> dict:
         outer = stats.stats.total_inter_bytes - inter0
     final = clock.curve[-1][2] if clock.curve else None
     dist.barrier()
-    return {"mode": mode if H is None else f"{mode} H={H}", "sync_every": H, "train_s": clock.elapsed,
+    label = mode if H is None else f"{mode} H={H}" + (f" b{args.bucket_mb:g}" if args.bucket_mb else "")
+    return {"mode": label, "sync_every": H, "train_s": clock.elapsed,
             "time_to_target_s": clock.reached_s, "step_at_target": clock.reached_step, "final_held_out": final,
             "outer_syncs": syncs, "qcoll_inter_bytes_per_rank": outer, "link_bytes": link_bytes,
             "memory_per_rank": state_nbytes(model, opt) + extra, "curve": clock.curve}
