@@ -129,7 +129,7 @@ def _run_replicas(fn, *args):
         lighthouse.shutdown()
 
 
-@pytest.mark.parametrize("bits", [8, 2])
+@pytest.mark.parametrize("bits", [pytest.param(8, marks=pytest.mark.long), 2])   # 8 bits: the DiLoCo test below
 def test_the_managers_all_reduce_is_qcolls_quantized_average(bits):
     results = _run_replicas(_allreduce, (bits, True))
     sent = np.stack([r[0] for r in results]).astype(np.float64)   # [replica, step, n]
