@@ -44,13 +44,13 @@ if _why:
         "checkout: `python3 -m venv --system-site-packages .venv && .venv/bin/pip install --no-deps -e .`, "
         "then `.venv/bin/python -m pytest -q`.")
 
-from distributed import RankPool  # noqa: E402
+from distributed import PRELOAD, RankPool  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def ranks4():
     """Four gloo ranks kept alive for the whole session (2 nodes x 2 by default in tests)."""
-    pool = RankPool(4)
+    pool = RankPool(4, preload=PRELOAD)
     yield pool
     pool.close()
 
@@ -58,6 +58,6 @@ def ranks4():
 @pytest.fixture(scope="session")
 def ranks2():
     """Two gloo ranks (for resharding a 4-rank checkpoint into 2)."""
-    pool = RankPool(2)
+    pool = RankPool(2, preload=PRELOAD)
     yield pool
     pool.close()

@@ -323,6 +323,8 @@ GENERATE = ["generate", "--modes", "zero3", "zeropp-gen", "--tokens", "4", "--pr
 
 @needs_netns
 @slow
+@pytest.mark.long   # ~25-40 s; the cluster end to end: the train test above; zeropp-gen's bytes after the first
+#                     forward (none across nodes): test_bench_generate.py's byte rule, test_zero_generation.py
 def test_generate_on_cluster_end_to_end(tmp_path):
     """Generation mode: after the first forward no byte crosses the node links (veth counters)."""
     out = tmp_path / "cluster.json"

@@ -118,6 +118,7 @@ def test_generation_mode_samples_the_same_rollouts_and_trains_the_same_weights(r
         assert out["secondaries"][3]["intra_node_bytes_per_forward_after_first"] > 0
 
 
+@pytest.mark.long   # ~30 s: 4 spawned ranks; the modes' rollouts, rewards and weights: the two tests above
 def test_cli_runs_the_modes_and_writes_the_split(tmp_path):
     path = tmp_path / "rlhf.json"
     proc = subprocess.run([sys.executable, "-m", "qcoll.bench", "rlhf", "--nproc", "4", "--ranks-per-node", "2",

@@ -47,6 +47,7 @@ def test_requests_to_near_by_the_offline_table():
 
 
 @pytest.mark.slow
+@pytest.mark.long   # ~45 s: three qcoll-serve processes and 8 s of trace (the pieces: the tests above, test_serve_*.py)
 def test_short_run_end_to_end(tmp_path):
     from qcoll.bench.cli import main
 

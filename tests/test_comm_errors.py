@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import qcoll
 from qcoll.comm import framing
-from distributed import RankFailure, RankPool, free_port
+from distributed import PRELOAD, RankFailure, RankPool, free_port
 
 
 def _local_errors(rank, world):
@@ -102,7 +102,7 @@ def _dead_rank(rank, world):
 
 
 def test_rank_failing_before_collective_fails_others_within_timeout():
-    pool = RankPool(4, env={"QCOLL_TEST_GROUP_TIMEOUT": "4"})
+    pool = RankPool(4, env={"QCOLL_TEST_GROUP_TIMEOUT": "4"}, preload=PRELOAD)
     try:
         with pytest.raises(RankFailure) as info:
             pool.run(_dead_rank, timeout=60)
@@ -386,7 +386,7 @@ def _size_mismatch(rank, world, case):
 @pytest.fixture(scope="module")
 def fragile4():
     """Four ranks with a short group timeout, for runs in which gloo aborts a rank (it restarts)."""
-    pool = RankPool(4, env={"QCOLL_TEST_GROUP_TIMEOUT": str(FRAGILE_TIMEOUT)})
+    pool = RankPool(4, env={"QCOLL_TEST_GROUP_TIMEOUT": str(FRAGILE_TIMEOUT)}, preload=PRELOAD)
     yield pool
     pool.close(graceful=False)
 
@@ -450,7 +450,7 @@ def _stale_topology(rank, world, port):
 
 
 def test_topology_of_a_destroyed_process_group_is_a_clear_error():
-    pool = RankPool(2, env={"QCOLL_TEST_GROUP_TIMEOUT": "10"})
+    pool = RankPool(2, env={"QCOLL_TEST_GROUP_TIMEOUT": "10"}, preload=PRELOAD)
     try:
         msgs = pool.run(_stale_topology, free_port(), timeout=60)[0]
     finally:

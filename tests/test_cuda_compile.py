@@ -96,8 +96,10 @@ REGS_RE = re.compile(r"Used (\d+) registers")
 def _ptxas_report(nvcc: str, src: str, arch: str, out_dir: Path):
     from qcoll.bindings import nvrtc as qnvrtc
 
+    # -cubin: the device code alone, as NVRTC builds it at run time (-c would also run the host compiler over
+    # the source, a third of the time, for an object nothing loads); ptxas's report is the same
     cmd = [nvcc, *[o for o in qnvrtc.BASE_OPTIONS if o != "-default-device"], f"-arch={arch}", "-Xptxas", "-v",
-           "-c", str(SRC_DIR / src), "-o", str(out_dir / f"{Path(src).stem}-{arch}.o")]
+           "-cubin", str(SRC_DIR / src), "-o", str(out_dir / f"{Path(src).stem}-{arch}.cubin")]
     res = subprocess.run(cmd, capture_output=True, text=True)
     return cmd, res
 

@@ -47,7 +47,10 @@ def _recipe() -> tuple[str, list[str]]:
     return recipe, shlex.split(line)[1:]
 
 
-@pytest.mark.parametrize("arch", sorted(DECODERS))
+# GPT-2 under pytest -m long: its export through onnxruntime is test_weights_onnx.py's, and qcoll-serve
+# serving it test_serve_http.py's; Llama (RMSNorm, rotary embeddings) is exported and served only here
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.long) if a == "gpt2" else a
+                                  for a in sorted(DECODERS)])
 def test_default_export_is_served_by_qcoll_serve(arch, tmp_path, monkeypatch):
     """docs/EXPORT.md's recipe, its very text (run here in a folder holding the decoder's
     quantized-weights file and config.json), then the server its ``qcoll-serve`` command builds.

@@ -162,6 +162,7 @@ def test_replay_of_a_workload_change_counts_trials_after_it():
 
 
 @pytest.mark.slow
+@pytest.mark.long   # ~30 s on 2 cores (5 processes); the report and --emit-config: test_tune_emit.py, in one process
 def test_cli_live_search_reports_the_best_beside_the_defaults(tmp_path):
     import json
     import os

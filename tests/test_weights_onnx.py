@@ -88,7 +88,9 @@ def _default_gpt2():
     return transformers.GPT2LMHeadModel(cfg)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+# 8 bits under pytest -m long: its dequantize subgraph is checked bit for bit by the test above, and the
+# whole path at 4 bits (sub-byte codes unpacked in the graph) here
+@pytest.mark.parametrize("bits", [pytest.param(8, marks=pytest.mark.long), 4])
 def test_gpt2_logits_through_onnxruntime(bits, tmp_path):
     """A tiny default GPT-2 (tied embedding and head; use_cache=True, dropout, training mode as
     built) whose parameters are their 256-blocks' codes, exported with export_onnx's defaults:

@@ -21,7 +21,7 @@ from qcoll import zero
 from qcoll.testing import Batches, corpus, tiny_model, train_steps
 from qcoll.zero import atomic_dir, checkpoint_safety
 
-from distributed import RankFailure, RankPool
+from distributed import PRELOAD, RankFailure, RankPool
 from zero_helpers import make_optimizer
 
 BATCH = 8
@@ -96,7 +96,7 @@ def _load_check_and_resave(rank, world, path):
 def test_rank_killed_mid_save_keeps_previous_checkpoint(ranks4, tmp_path):
     path = str(tmp_path / "ckpt")
     victim = 1  # not rank 0, the one that moves the directory: it must not move a checkpoint missing a rank
-    pool = RankPool(4, env={"QCOLL_TEST_GROUP_TIMEOUT": "10"})  # the survivors give up after 10 s
+    pool = RankPool(4, env={"QCOLL_TEST_GROUP_TIMEOUT": "10"}, preload=PRELOAD)  # the survivors give up after 10 s
     try:
         state_a, opt_a = pool.run(_save_a, path, timeout=90)[0]
         with pytest.raises(RankFailure) as failure:
