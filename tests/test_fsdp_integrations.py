@@ -43,8 +43,17 @@ def _two_nodes(script, *args, cwd, timeout=240):
 
 
 def _torchrun_two_nodes(*extra):
-    """The example's (loss, cross-node bytes) per step on rank 0."""
-    done = _two_nodes(SCRIPT, "--steps", "4", *extra, cwd=ROOT / "examples")
+    """The example's (loss, cross-node bytes) per step on rank 0.
+
+    Known issue (seen once in CI, 2026-12-07): every step done, a worker can hang at exit after
+    ``destroy_process_group`` (gloo's teardown with qcoll's node groups alive). Such a run is tried
+    once more, with a warning naming it; a second hang, or any other failure, fails the test."""
+    try:
+        done = _two_nodes(SCRIPT, "--steps", "4", *extra, cwd=ROOT / "examples", timeout=120)
+    except subprocess.TimeoutExpired as e:
+        import warnings
+        warnings.warn(f"the torchrun example hung (known teardown issue), trying once more: {e}")
+        done = _two_nodes(SCRIPT, "--steps", "4", *extra, cwd=ROOT / "examples")
     for rc, _, err in done:
         assert rc == 0, err[-3000:]
     steps = [tuple(map(float, m)) for m in re.findall(r"step \d+ loss ([\d.]+) inter_bytes (\d+)", done[0][1])]
