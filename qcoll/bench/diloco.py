@@ -181,20 +181,14 @@ def _diloco(args, topo, mode: str, H: int, index: int, model, opt, clock, train,
         with DiLoCo(manager, fragments, opt, outer if len(outer) > 1 else outer[0], sync_every=H,
                     fragment_sync_delay=args.fragment_delay, use_bucketization=args.bucket_mb > 0,
                     bucket_cap_mb=args.bucket_mb if args.bucket_mb > 0 else None) as diloco:
-            synced = 0
-            clock.start()
-            for step in range(1, args.steps + 1):
-                x, y = train.next(topo.rank, topo.world_size)
-                loss = model(x, y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                if manager.current_step() != synced:
-                    synced = manager.current_step()
-                    clock.stop()
-                    clock.record(step, _held_out(model, held, args.batch))
-                    clock.start()
-            clock.stop()
+            synced = [0]
+
+            def after_sync(step: int) -> bool:   # the global model: right after each outer sync
+                if manager.current_step() == synced[0]:
+                    return False
+                synced[0] = manager.current_step()
+                return True
+            _train(args, topo, model, opt, clock, train, held, after_sync)
             extra = sum(t.numel() * t.element_size() for f in diloco._fragments for t in f.original_parameters.values())
         extra += sum(v.numel() * v.element_size() for o in outer for s in o.state.values() for v in s.values()
                      if isinstance(v, torch.Tensor))
@@ -207,7 +201,9 @@ def _diloco(args, topo, mode: str, H: int, index: int, model, opt, clock, train,
         del store
 
 
-def _synchronous(args, topo, model, opt, clock, train, held) -> None:
+def _train(args, topo, model, opt, clock, train, held, evaluate_after) -> None:
+    """``--steps`` timed steps; the held-out loss after each step for which ``evaluate_after(step)``
+    holds, the clock stopped meanwhile."""
     clock.start()
     for step in range(1, args.steps + 1):
         x, y = train.next(topo.rank, topo.world_size)
@@ -215,7 +211,7 @@ def _synchronous(args, topo, model, opt, clock, train, held) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if step % args.eval_every == 0 or step == args.steps:
+        if evaluate_after(step):
             clock.stop()
             clock.record(step, _held_out(model, held, args.batch))
             clock.start()
@@ -241,7 +237,8 @@ def _run(args, topo, mode: str, H: int | None, index: int) -> dict:
         if mode in OUTER:
             syncs, extra = _diloco(args, topo, mode, H, index, model, opt, clock, train, held)
         else:
-            _synchronous(args, topo, model, opt, clock, train, held)
+            _train(args, topo, model, opt, clock, train, held,
+                   lambda step: step % args.eval_every == 0 or step == args.steps)
     link_bytes = box["bytes"]
     numel = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     if mode in SYNC and "qcoll" not in mode:   # FSDP2's own collectives: DESIGN.md's rule (qcoll counts none)
