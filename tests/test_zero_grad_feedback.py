@@ -87,3 +87,82 @@ def test_reconfigure_keeps_residuals_across_widths_and_frees_them_when_turned_of
     for held, kept, dropped, nbytes in ranks4.run(_reconfigured):
         assert all(h > 0 for h in held) and kept == held
         assert all(d is None for d in dropped) and nbytes == 0
+
+
+# ------------------------------------------------------------------ checkpoints
+
+FED = dict(weight_bits=None, hpz=False, grad_bits=2, grad_error_feedback=True)
+
+
+def _fed_model(seed, **config):
+    model = tiny_model(seed)
+    m = zero.shard(model, qcoll.Topology(2), zero.ZeroConfig(**{**FED, **config}), units=model.units())
+    return m, zero.Optimizer(m, torch.optim.SGD, lr=0.5, momentum=0.9)
+
+
+def _residuals(m):
+    return [torch.cat([g.grad_feedback.send, g.grad_feedback.own]).clone()
+            for g in state_of(m).groups if g.grad_feedback is not None]
+
+
+def _resume_with_residuals(rank, world, path):
+    from qcoll.testing import train_steps
+    m, opt = _fed_model(0)
+    batches = Batches(corpus(), 8, 32, 11)
+    train_steps(m, opt, batches, 3, rank=rank, world=world)
+    zero.save(path, m, opt)
+    saved = _residuals(m)
+    rng = batches.state()
+    first = train_steps(m, opt, batches, 3, rank=rank, world=world)
+    m2, opt2 = _fed_model(123)   # other weights; its residuals after one step are not the saved ones
+    train_steps(m2, opt2, Batches(corpus(), 8, 32, 99), 1, rank=rank, world=world)
+    zero.load(path, m2, opt2)
+    loaded = _residuals(m2)
+    batches.set_state(rng)
+    second = train_steps(m2, opt2, batches, 3, rank=rank, world=world)
+    return first, second, [torch.equal(a, b) for a, b in zip(saved, loaded)], float(sum(a.abs().sum() for a in saved))
+
+
+def test_a_resume_restores_each_ranks_residuals_and_continues_bit_for_bit(ranks4, tmp_path):
+    """Oracle: the same run without the interruption."""
+    for first, second, same, size in ranks4.run(_resume_with_residuals, str(tmp_path / "ck"), timeout=120):
+        assert size > 0 and same and all(same)
+        assert first == second
+
+
+def _save_plain_then_load_fed(rank, world, path, other_layout):
+    import warnings
+    from qcoll.testing import train_steps
+    if other_layout:   # saved with error feedback on 4 ranks, loaded on 2
+        if world == 4:
+            m, opt = _fed_model(0)
+            train_steps(m, opt, Batches(corpus(), 8, 32, 3), 2, rank=rank, world=world)
+            zero.save(path, m, opt)
+            return None
+        m, opt = _fed_model(0)
+    else:   # saved without error feedback, loaded into a model that has residuals already
+        m, opt = _fed_model(0, grad_bits=4, grad_error_feedback=False)
+        zero.save(path, m, opt)
+        m, opt = _fed_model(0)
+    train_steps(m, opt, Batches(corpus(), 8, 32, 3), 1, rank=rank, world=world)
+    before = float(sum(r.abs().sum() for r in _residuals(m)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zero.load(path, m, opt)
+    after = float(sum(r.abs().sum() for r in _residuals(m)))
+    return before, after, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("other_layout", [False, True])
+def test_residuals_of_no_or_another_layout_start_at_zero_with_a_warning(ranks4, ranks2, tmp_path, other_layout):
+    path = str(tmp_path / "ck")
+    if other_layout:
+        ranks4.run(_save_plain_then_load_fed, path, True, timeout=120)
+        results = ranks2.run(_save_plain_then_load_fed, path, True, timeout=120)
+        why = "saved on 4 ranks in 2 nodes, this run has 2 ranks in 1 node:"
+    else:
+        results = ranks4.run(_save_plain_then_load_fed, path, False, timeout=120)
+        why = "holds no error-feedback residuals"
+    for before, after, caught in results:
+        assert before > 0 and after == 0
+        assert any("residuals start at zero" in w and why in w for w in caught), caught

@@ -7,7 +7,9 @@ block-alignment padding, see :mod:`qcoll.zero.flat`): DCP records global offsets
 checkpoint written by 4 ranks loads into 2 (or any other world size, or block size). Scalars (Adam's ``step``), buffers,
 the engine's micro-step counter (stochastic-rounding seeds) and the loss scaler
 are saved as replicated values, so a resume in the same world size continues
-bit-identically.
+bit-identically. qgZ's error-feedback residuals (``ZeroConfig.grad_error_feedback``) are saved
+per rank and restored only into the same layout (:mod:`qcoll.zero.grad_feedback`): on another
+world size or node count they start at zero, with a warning.
 
 A save replaces its directory atomically (:mod:`qcoll.zero.atomic_dir`): the ranks write
 into a fresh sibling directory and rank 0 moves it into place once all have written, so a
@@ -32,7 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from . import atomic_dir
+from . import atomic_dir, grad_feedback
 from .checkpoint_safety import (SafeReader, decode_param_groups, differences, encode_param_groups, from_json_tensor,
                                 json_tensor, layout_differences, read_metadata, summarize)
 from .checkpoint_safety import upgrade_checkpoint  # noqa: F401  (the earlier format's converter)
@@ -56,6 +58,12 @@ def _dtensor(group, local: torch.Tensor) -> DTensor:
     compact layout, a 1-D DTensor of the group's ``total`` elements (collective when padded)."""
     return DTensor.from_local(group.compact_shard(local), _mesh(local.device), [Shard(0)], run_check=False,
                               shape=torch.Size([group.total]), stride=(1,))
+
+
+def _per_rank(local: torch.Tensor) -> DTensor:
+    """This rank's ``[n]`` tensor (its own, not a slice of a shared one) as its slice of a ``[W * n]`` DTensor."""
+    return DTensor.from_local(local, _mesh(local.device), [Shard(0)], run_check=False,
+                              shape=torch.Size([dist.get_world_size() * local.numel()]), stride=(1,))
 
 
 def _model_state(model) -> dict:
@@ -188,6 +196,9 @@ def save(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
     try:
         state = {"model": _model_state(model), "engine": {"micro_step": torch.tensor(state_of(model).engine.micro_step)}}
         state["model"]["layout"] = json_tensor({"groups": _layout(model)})
+        feedback = grad_feedback.checkpoint_state(state_of(model).groups, _per_rank)
+        if feedback is not None:
+            state["feedback"] = feedback
         created = optimizer is not None and _ensure_optimizer_state(optimizer)
         if optimizer is not None:
             state["optim"] = _optimizer_state(optimizer)
@@ -247,6 +258,9 @@ def load(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
         if adaptive is not None:
             state["adaptive"] = _adaptive_state(adaptive)
         hparams, tuned = _compare(path, md, state, model, optimizer, adaptive, autotune)  # tuned: checked
+        feedback = _feedback_to_load(path, md, model)
+        if feedback:
+            state["feedback"] = feedback
         _dcp_load(state, path, md)
     except BaseException:
         if created:  # the optimizer is left as it was: without state
@@ -265,12 +279,31 @@ def load(checkpoint_dir, model, optimizer: Optimizer | None = None, adaptive=Non
             if key.startswith("buffer."):
                 buffers[key[len("buffer."):]].copy_(value)
     state_of(model).engine.micro_step = int(state["engine"]["micro_step"])
+    grad_feedback.restore(state_of(model).groups, state.get("feedback", {}))
     if optimizer is not None:
         _restore_optimizer(optimizer, state["optim"], hparams, groups)
     if adaptive is not None:
         _restore_adaptive(adaptive, state["adaptive"])
     if autotune is not None:
         autotune.apply_checked(tuned)
+
+
+def _feedback_to_load(path: str, md, model) -> dict | None:
+    """The model's qgZ residuals to load from the checkpoint, or None: the model has none, or they cannot
+    be restored (saved without them or in another layout: then they are zeroed, with a warning)."""
+    groups = state_of(model).groups
+    entries = grad_feedback.checkpoint_state(groups, _per_rank)
+    if entries is None:
+        return None
+    saved = md.state_dict_metadata.get("feedback.layout")
+    layout = None
+    if saved is not None and list(saved.size) == [3] and saved.properties.dtype == torch.int64:
+        small = {"feedback": {"layout": torch.zeros(3, dtype=torch.int64)}}
+        _dcp_load(small, path, md)
+        layout = small["feedback"]["layout"]
+    if not grad_feedback.restorable(groups, md, layout, entries):
+        return None
+    return {k: v for k, v in entries.items() if k != "layout"}
 
 
 def _dcp_load(state: dict, path: str, md) -> None:

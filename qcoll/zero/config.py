@@ -80,8 +80,8 @@ class ZeroConfig:
     drift. Each rank keeps, per group, fp32 residuals of the group's whole (unsharded) size plus
     ``nodes / world`` of it: a full fp32 gradient per rank, reported by ``memory_report``. Needs
     ``grad_bits``; not with ``grad_outliers`` or SimiGrad's similarity. Default False.
-    :func:`qcoll.zero.save` does not store the residuals yet: a resumed run starts them at zero
-    (what is lost is the last reduction's rounding, as at the first step).
+    :func:`qcoll.zero.save` stores the residuals and :func:`qcoll.zero.load` restores them on the
+    same world size and node count; on another layout they start at zero, with a warning.
 
     ``ZeroConfig(weight_bits=None, hpz=False, grad_bits=None)`` is plain ZeRO-3.
     """
