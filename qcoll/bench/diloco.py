@@ -4,7 +4,8 @@ and for synchronous FSDP2 / HSDP, each emulated node one replica group.
 DiLoCo modes: every node is a torchft replica group (FSDP2 over its ranks when it has several),
 trains alone for ``--sync-every`` (H) steps, then the groups average their pseudo-gradients and an
 outer SGD (lr 0.7, Nesterov momentum 0.9) applies the average. The outer all-reduce is torchft's
-own ``ProcessGroupGloo`` (``diloco``, fp32, as users run it on CPU) or qcoll's
+own ``ProcessGroupGloo`` (``diloco``, fp32, as users run it on CPU; ``diloco-bf16``: the same
+all-reduce on a bf16 copy of the pseudo-gradients, the cheap outer sync a user tries first) or qcoll's
 ``QuantizedProcessGroup`` (``diloco-q4``; ``diloco-q2``; ``diloco-q2-ef``: 2 bits with error
 feedback). ``--fragments F --fragment-delay D``: Streaming DiLoCo (F fragments, each synced D
 steps after it was sent, so the sync overlaps compute). Synchronous modes: ``hsdp-bf16`` and
@@ -40,7 +41,8 @@ from . import cli, progress
 from .ranks import run_ranks
 
 NAME = "diloco"
-OUTER = {"diloco": None, "diloco-q4": (4, False), "diloco-q2": (2, False), "diloco-q2-ef": (2, True)}
+OUTER = {"diloco": None, "diloco-bf16": "bf16", "diloco-q4": (4, False), "diloco-q2": (2, False),
+         "diloco-q2-ef": (2, True)}
 SYNC = {m: m for m in ("hsdp-bf16", "fsdp2-bf16", "hsdp", "fsdp2", "hsdp-qcoll", "fsdp2-qcoll")}
 MODES = (*OUTER, *SYNC)
 HELD_OUT_BATCHES = 4
@@ -164,15 +166,20 @@ def _diloco(args, topo, mode: str, H: int, index: int, model, opt, clock, train,
              if topo.local_rank == 0 else None)
     dist.barrier()
     setting = OUTER[mode]
-    pg = (ProcessGroupGloo(timeout=timedelta(seconds=300)) if setting is None else
-          QuantizedProcessGroup(bits=setting[0], error_feedback=setting[1], timeout=timedelta(seconds=300)))
+    if setting is None:
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=300))
+    elif setting == "bf16":
+        from .diloco_bf16 import Bf16OuterGroup
+        pg = Bf16OuterGroup(timeout=timedelta(seconds=300))
+    else:
+        pg = QuantizedProcessGroup(bits=setting[0], error_feedback=setting[1], timeout=timedelta(seconds=300))
     addr = _local_address()
     manager = Manager(pg=pg, min_replica_size=topo.num_nodes, load_state_dict=None, state_dict=None,
                       replica_id=f"node{topo.node}", store_addr=addr, store_port=base + 1 + topo.node,
                       rank=topo.local_rank, world_size=topo.ranks_per_node, lighthouse_addr=f"http://{master}:{base}",
                       hostname=addr, use_async_quorum=False, init_sync=False, timeout=timedelta(seconds=300),
                       quorum_timeout=timedelta(seconds=300))
-    if setting is not None:
+    if isinstance(pg, QuantizedProcessGroup):
         pg.attach(manager, fragments=args.fragments)
     fragments = ([model] if args.fragments == 1 else
                  [torch.nn.ModuleList(list(model.blocks)[i::args.fragments]) for i in range(args.fragments)])
@@ -247,8 +254,9 @@ def _run(args, topo, mode: str, H: int | None, index: int) -> dict:
         outer = rule_bytes(args, SYNC[mode], topo, lambda a: char_transformer(seed=a.seed))[1] * args.steps
     elif mode in SYNC:
         outer = stats.stats.total_inter_bytes - inter0
-    elif OUTER[mode] is None:   # torchft's gloo ring all-reduce: 2 (N-1)/N of the local shard per sync
-        outer = syncs * numel * 4 * 2 * (topo.num_nodes - 1) // topo.num_nodes
+    elif OUTER[mode] in (None, "bf16"):   # gloo's ring all-reduce: 2 (N-1)/N of the local shard per sync
+        width = 2 if OUTER[mode] == "bf16" else 4
+        outer = syncs * numel * width * 2 * (topo.num_nodes - 1) // topo.num_nodes
     else:
         outer = stats.stats.total_inter_bytes - inter0
     final = clock.curve[-1][2] if clock.curve else None
