@@ -1,6 +1,7 @@
 """ZeRO++ against ZeRO-3 at the default weight block (issue 17): pre-training, 2-bit fine-tuning, plateau escapes.
 
 Run: python bench/convergence_sweep.py --json bench/convergence_sweep.json
+     python bench/convergence_sweep.py --feedback --json bench/convergence_feedback.json
      python bench/convergence_sweep.py --plateau --json bench/convergence_plateau.json
      python bench/convergence_sweep.py --controls --json bench/convergence_controls.json
 
@@ -27,6 +28,11 @@ mean of the last ``--tail`` fine-tune losses.
 ``--plateau``: the old convergence test's setup (char model, lr 2e-3, 120 steps), for init
 seeds x batch seeds; per configuration the step at which the 10-step mean loss first falls
 below ``--escape-loss`` (leaving the plateau near the unigram loss), runs stop there.
+``--feedback``: qgZ at 2 bits with error feedback (issue 40) against ZeRO-3's seed noise, pre-training
+``--steps`` on both models: ZeRO-3 from seeds A and B, then from seed A 2-bit gradients without and
+with error feedback (8-bit weights), with feedback and 4-bit weights, and with feedback at 8 bits
+inside the node and 2 across (``grad_bits=(8, 2)``); each row's cross-node bytes per step
+(``qcoll.comm.stats``, rank 0) beside its loss.
 ``--controls``: the convergence test's setup and score (lr 1e-3, mean of steps 161-200)
 for configurations that should fail or might: 2-bit weights from scratch, 2-bit gradients,
 4-bit weights in 4096-element blocks, and two injected bugs (the gradient reduction keeps
@@ -64,11 +70,11 @@ def _build(name: str, seed: int):
     return byte_llama(CHAR.context, seed), None, causal_lm_loss
 
 
-def _cfg(weight_bits, grad_bits=4, sr=False, block=256) -> zero.ZeroConfig:
+def _cfg(weight_bits, grad_bits=4, sr=False, block=256, feedback=False) -> zero.ZeroConfig:
     if weight_bits is None and grad_bits is None:
         return zero.ZeroConfig.zero3()
     return zero.ZeroConfig(weight_bits=weight_bits, hpz=weight_bits is not None, grad_bits=grad_bits,
-                           weight_block=block, stochastic_grad_rounding=sr)
+                           weight_block=block, stochastic_grad_rounding=sr, grad_error_feedback=feedback)
 
 
 def _install_bug(kind: str | None):
@@ -107,14 +113,17 @@ def _train(a, topo, model_name, config, seed, steps, lr, data, batch_seed, load=
     def below(i, losses):  # the mean of the last 10 losses is under stop_below: done
         return stop_below is not None and len(losses) >= 10 and sum(losses[-10:]) / 10 < stop_below
 
+    from qcoll.comm import stats
+    inter0 = stats.stats.total_inter_bytes
     t0 = time.perf_counter()
     losses = train_steps(m, opt, batches, steps, rank=dist.get_rank(), world=dist.get_world_size(), loss_fn=loss_fn,
                          after_step=below)
     wall = time.perf_counter() - t0
+    inter = (stats.stats.total_inter_bytes - inter0) / max(len(losses), 1)
     if save:
         zero.save(save, m)
     _install_bug(None)
-    return {"losses": losses, "wall_s": wall}
+    return {"losses": losses, "wall_s": wall, "inter_bytes_per_step": inter}
 
 
 def _tail(losses, end, n):
@@ -184,6 +193,22 @@ def _plateau(a, topo, out):
                 _say(f"init {seed} batches {bseed} {key:8s}: escape step {esc}  ({r['wall_s']:.1f}s)")
 
 
+def _feedback(a, topo, out):
+    data = stdlib_bytes(MB)
+    for model in a.models:
+        rows = [("zero3", "ZeRO-3", _cfg(None, None), a.seeds[0]), ("zero3-seedB", "ZeRO-3", _cfg(None, None), a.seeds[1]),
+                ("w8g2", "ZeRO++ 8/2", _cfg(8, 2), a.seeds[0]),
+                ("w8g2-ef", "ZeRO++ 8/2, error feedback", _cfg(8, 2, feedback=True), a.seeds[0]),
+                ("w4g2-ef", "ZeRO++ 4/2, error feedback", _cfg(4, 2, feedback=True), a.seeds[0]),
+                ("w4g82-ef", "ZeRO++ 4/(8 in, 2 across), error feedback", _cfg(4, (8, 2), feedback=True), a.seeds[0])]
+        for key, label, config, seed in rows:
+            r = _train(a, topo, model, config, seed, a.steps, a.lr, data, a.batch_seed)
+            out["runs"].append({"model": model, "phase": "pretrain", "key": key, "label": label, "seed": seed,
+                                "config": _config_dict(config), **r})
+            _say(f"{model:5s} {key:12s} seed {seed}: {r['wall_s']:6.1f}s  final {_tail(r['losses'], a.steps, a.tail):.4f}"
+                 f"  {r['inter_bytes_per_step']:.0f} cross-node B/step")
+
+
 def _controls(a, topo, out):
     data = stdlib_bytes(MB)
     rows = [("zero3", _cfg(None, None), None), ("w2g4", _cfg(2), None), ("w8g2", _cfg(8, 2), None),
@@ -201,7 +226,7 @@ def _rank_main(a):
     out = {"command": "convergence_sweep", "world": topo.world_size, "ranks_per_node": topo.ranks_per_node,
            "args": vars(a), "runs": []}
     t0 = time.perf_counter()
-    {"sweep": _sweep, "plateau": _plateau, "controls": _controls}[a.mode](a, topo, out)
+    {"sweep": _sweep, "plateau": _plateau, "controls": _controls, "feedback": _feedback}[a.mode](a, topo, out)
     out["total_wall_s"] = time.perf_counter() - t0
     if dist.get_rank() == 0:
         print(report(out), flush=True)
@@ -213,11 +238,33 @@ def _ratio(x, base):
     return f"{x / base:.3f}" if x is not None and base else "-"
 
 
+def _feedback_report(a: dict, runs: list) -> list[str]:
+    lines = []
+    for model in a["models"]:
+        pre = {r["key"]: r for r in runs if r["model"] == model}
+        n = a["steps"]
+        base = _tail(pre["zero3"]["losses"], n, a["tail"])
+        noise = abs(_tail(pre["zero3-seedB"]["losses"], n, a["tail"]) - base) / base
+        zbytes = pre["zero3"]["inter_bytes_per_step"]
+        lines += ["", f"{model}: {n} steps from scratch, mean loss of the last {a['tail']} steps",
+                  "| config | seed | loss | vs ZeRO-3 | within seed noise | cross-node bytes/step | vs ZeRO-3 |",
+                  "|---|---|---|---|---|---|---|"]
+        for key, r in pre.items():
+            v = _tail(r["losses"], n, a["tail"])
+            within = "(noise)" if key.startswith("zero3") else ("yes" if abs(v - base) <= noise * base else "no")
+            lines.append(f"| {r['label']} | {r['seed']} | {v:.4f} | {_ratio(v, base)} | {within} | "
+                         f"{r['inter_bytes_per_step']:,.0f} | {_ratio(r['inter_bytes_per_step'], zbytes)} |")
+        lines.append(f"ZeRO-3 seed noise |B - A| / A: {noise:.2%}")
+    return lines
+
+
 def report(out: dict) -> str:
     """The markdown tables of a result (also usable on a saved JSON: ``report(json.load(f))``)."""
     a, runs = out["args"], out["runs"]
     lines = []
-    if a["mode"] == "sweep":
+    if a["mode"] == "feedback":
+        lines += _feedback_report(a, runs)
+    elif a["mode"] == "sweep":
         for model in a["models"]:
             pre = {r["key"]: r for r in runs if r["model"] == model and r["phase"] == "pretrain"}
             s1, s2 = a["test_steps"], a["steps"]
@@ -275,6 +322,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--plateau", dest="mode", action="store_const", const="plateau", default="sweep")
     p.add_argument("--controls", dest="mode", action="store_const", const="controls")
+    p.add_argument("--feedback", dest="mode", action="store_const", const="feedback")
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--models", nargs="+", default=["char", "llama"], choices=["char", "llama"])
