@@ -26,7 +26,7 @@ GROUP_TIMEOUT_S = float(os.environ.get("QCOLL_TEST_GROUP_TIMEOUT", "30"))
 #: whole test session: the first pool to start it decides what it imported). For tests that start fresh
 #: pools (a rank killed, or gloo aborting one): each spawned worker would import torch and qcoll again,
 #: about 5 s of CPU per process on a small host.
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "qcoll", "qcoll.fsdp", "qcoll.tune", "qcoll.zero",
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.fsdp", "qcoll", "qcoll.fsdp", "qcoll.tune", "qcoll.zero",
            "qcoll.testing", "qcoll.testing.fsdp2", "distributed")
 
 

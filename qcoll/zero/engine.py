@@ -136,6 +136,10 @@ class Engine:
                                                           with_kwargs=True))
         # always_call: also when the forward raised (then some units never ended: reset them)
         self._hooks.append(root.register_forward_hook(torch.compiler.disable(self._end_forward), always_call=True))
+        # entry calls talk to other ranks too (set here, not as class decorators: `import qcoll` then
+        # does not import dynamo, seconds of start-up for every command that shards nothing)
+        self.begin_entry = torch.compiler.disable(self.begin_entry)
+        self.end_entry = torch.compiler.disable(self.end_entry)
         self._hooks += register_entries(self, root, units)
 
     def add_group(self, g: FlatGroup) -> None:
@@ -219,7 +223,6 @@ class Engine:
             self.generation.end_forward(self.groups)
         return output
 
-    @torch.compiler.disable
     def begin_entry(self, module: nn.Module, args, kwargs):
         """``module`` (below the root) is called outside the model's forward: begin a forward of
         its own, with the root unit gathered (:mod:`qcoll.zero.entry`). Returns what
@@ -229,7 +232,6 @@ class Engine:
         self._pre_forward(self.units[0], module, args)
         return cast
 
-    @torch.compiler.disable
     def end_entry(self, module: nn.Module, args, output, failed: bool | None = None) -> None:
         """The call that :meth:`begin_entry` began returned (or raised: ``failed``; None: judged from
         the units still running, as a forward hook cannot tell): end its forward."""

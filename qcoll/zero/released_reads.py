@@ -35,11 +35,18 @@ def _reads_values(func) -> bool:
 class ReleasedParameterProbe(TorchFunctionMode):
     """Sees every torch op of a forward and gathers the released parameters it reads."""
 
+    _dynamo_kept_out = False
+
     def __init__(self, engine):
         super().__init__()
         self.engine = engine
+        cls = type(self)
+        # dynamo compiling __torch_function__ garbled its arguments (a cold HF Llama compile): keep it out
+        # (here, not as a decorator: `import qcoll` then does not import dynamo, seconds of start-up)
+        if not cls._dynamo_kept_out:
+            cls.__torch_function__ = torch.compiler.disable(cls.__torch_function__)
+            cls._dynamo_kept_out = True
 
-    @torch.compiler.disable  # dynamo compiling this frame garbled its arguments (a cold HF Llama compile)
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not self.engine.busy and _reads_values(func):  # the engine's own ops are not the model's
