@@ -261,7 +261,8 @@ def _run(args, topo, mode: str, H: int | None, index: int) -> dict:
         outer = stats.stats.total_inter_bytes - inter0
     final = clock.curve[-1][2] if clock.curve else None
     dist.barrier()
-    label = mode if H is None else f"{mode} H={H}" + (f" b{args.bucket_mb:g}" if args.bucket_mb else "")
+    label = mode if H is None else (f"{mode} H={H}" + (f" b{args.bucket_mb:g}" if args.bucket_mb else "")
+                                    + (f" streaming F={args.fragments} d={args.fragment_delay}" if args.fragments > 1 else ""))
     return {"mode": label, "sync_every": H, "train_s": clock.elapsed,
             "time_to_target_s": clock.reached_s, "step_at_target": clock.reached_step, "final_held_out": final,
             "outer_syncs": syncs, "qcoll_inter_bytes_per_rank": outer, "link_bytes": link_bytes,
@@ -296,13 +297,13 @@ def _rank_main(args) -> None:
 
 def format_table(runs: list[dict], args) -> str:
     lines = [f"held-out target {args.target}, {args.steps} steps of {args.batch} x 64 tokens",
-             f"{'mode':24s} {'train s':>8s} {'to target s':>12s} {'at step':>8s} {'final held-out':>15s} "
+             f"{'mode':34s} {'train s':>8s} {'to target s':>12s} {'at step':>8s} {'final held-out':>15s} "
              f"{'outer MB/rank':>14s} {'link MB':>8s} {'MiB/rank':>9s}"]
     for r in runs:
         to = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}"
         at = "-" if r["step_at_target"] is None else str(r["step_at_target"])
         link = r["link_bytes"]
-        lines.append(f"{r['mode']:24s} {r['train_s']:8.1f} {to:>12s} {at:>8s} {r['final_held_out'] or 0:15.4f} "
+        lines.append(f"{r['mode']:34s} {r['train_s']:8.1f} {to:>12s} {at:>8s} {r['final_held_out'] or 0:15.4f} "
                      f"{r['qcoll_inter_bytes_per_rank'] / 1e6:14.2f} "
                      f"{'-' if link is None else f'{link / 1e6:.1f}':>8s} {r['memory_per_rank'] / 2**20:9.1f}")
     return "\n".join(lines)
