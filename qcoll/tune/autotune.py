@@ -19,8 +19,9 @@ what a run using each configuration for the same steps computes.
 
 Feasibility: before a configuration runs, the codec's relative error on the model's live weights
 and gradients (:mod:`qcoll.tune.live_error`; one 32-byte all-reduce) must be within
-``weight_error`` / ``grad_error``; configurations over budget are told to the tuner as infeasible
-and never run.
+``weight_error`` / ``grad_error`` (``feedback_error`` for gradients that run with error feedback,
+whose lost part is re-sent at the next step); configurations over budget are told to the tuner as
+infeasible and never run.
 """
 from __future__ import annotations
 
@@ -50,12 +51,31 @@ class AutoTune:
 
     ``tuner``: ``"rrl"`` (default), ``"random"`` or ``"tpe"`` (optuna). ``space``: a
     :class:`~qcoll.tune.Space` of ZeroConfig fields (default :func:`~qcoll.tune.online_space`:
-    weight bits 4/6/8/None, gradient bits 4/(8,4)/8/None, hpZ, prefetch 0-2, reduce bucket 0/1M,
-    hierarchical gathers); the configuration the model was sharded with must be one of its points
-    (it is measured first). ``window``, ``explore``, ``reexplore``, ``abort``, ``drift_tolerance``,
-    ``drift_patience``, ``confirm``: :class:`~qcoll.tune.OnlinePolicy`. ``weight_error`` / ``grad_error``: the
-    budgets of the codec's relative L2 error on the live weights and gradients. ``seed``: the
-    tuner's.
+    weight bits 4/6/8/None, gradient bits 4/(8,4)/8/None, and 2 as well on a model sharded with
+    ``grad_error_feedback=True``, hpZ, prefetch 0-2, reduce bucket 0/1M, hierarchical gathers); the
+    configuration the model was sharded with must be one of its points (it is measured first).
+    ``window``, ``explore``, ``reexplore``, ``abort``, ``drift_tolerance``, ``drift_patience``,
+    ``confirm``: :class:`~qcoll.tune.OnlinePolicy`. ``weight_error`` / ``grad_error``: the budgets of
+    the codec's relative L2 error on the live weights and gradients (:func:`~qcoll.tune.live_error.
+    relative_errors`: for an int ``grad_bits``, the root sum of squares of qgZ's two hops' errors).
+    ``seed``: the tuner's.
+
+    ``feedback_error`` (default 1.25): the gradients' budget, in place of ``grad_error``, for the
+    configurations whose gradients run with error feedback (``grad_error_feedback`` still true in
+    ``with_knobs(model's config, **point)``: not with unquantized gradients nor an outlier reserve).
+    There a step's error is not lost: what its codes failed to send is added to the next step's
+    gradient and sent then (the sum received over T steps is the sum sent less the last residual),
+    so it is delay, not loss, and the budget for loss (``grad_error``) would refuse 2-bit gradients
+    always (0.77 per hop at block 128 on Gaussian data, 1.09 over the two hops; 1.0-1.15 over the
+    first steps of a small transformer's gradients). What it still bounds is the delay: with a
+    per-hop error ``e`` each residual is at most ``e`` times (gradient + previous residual), so it
+    stays below ``e / (1 - e)`` steps of gradient, unbounded as ``e`` nears 1 (codes that send
+    almost nothing, e.g. near-sparse heavy-tailed blocks). 1.25 over two hops is 0.88 per hop (a
+    residual within about 8 steps of gradient); 2-bit passes at every Gaussian block size up to
+    512 (1.19); a budget of sqrt(2) or more refuses nothing (a per-hop error is below 1 at any
+    width). Whether 2-bit gradients with feedback train as well as wider ones is for benchmarks
+    over hundreds of steps to show, not this per-step proxy. A point with 2-bit gradients on a
+    model without feedback is held to ``grad_error`` like any other (infeasible at the defaults).
 
     Every rank builds it with the same arguments: they are compared through the store first, and
     ranks that differ get a ``ValueError`` on every rank naming the arguments and the ranks.
@@ -67,13 +87,14 @@ class AutoTune:
 
     def __init__(self, model, tuner: str = "rrl", space: Space | None = None, window: int = 4, explore: int = 12,
                  reexplore: int | None = 8, abort: float = 1.5, drift_tolerance: float = 0.2, drift_patience: int = 2,
-                 confirm: int = 3, weight_error: float = 0.15, grad_error: float = 0.25, seed: int = 0):
+                 confirm: int = 3, weight_error: float = 0.15, grad_error: float = 0.25,
+                 feedback_error: float = 1.25, seed: int = 0):
         state = state_of(model)
-        space = online_space() if space is None else space
+        space = online_space(feedback=bool(state.config.grad_error_feedback)) if space is None else space
         _agree_arguments(tuner=tuner, space=[[k.name, repr(k.values)] for k in space.knobs] if isinstance(
             space, Space) else repr(space), window=window, explore=explore, reexplore=reexplore, abort=abort,
             drift_tolerance=drift_tolerance, drift_patience=drift_patience, confirm=confirm,
-            weight_error=weight_error, grad_error=grad_error, seed=seed)
+            weight_error=weight_error, grad_error=grad_error, feedback_error=feedback_error, seed=seed)
         if tuner not in ("rrl", "random", "tpe"):
             raise ValueError(f"tuner must be 'rrl', 'random' or 'tpe', got {tuner!r}")
         if not isinstance(space, Space):
@@ -84,6 +105,7 @@ class AutoTune:
             raise ValueError(f"space knobs must be ZeroConfig fields; unknown: {unknown}")
         self.weight_error = check_number(weight_error, "weight_error", above=0)
         self.grad_error = check_number(grad_error, "grad_error", above=0)
+        self.feedback_error = check_number(feedback_error, "feedback_error", above=0)
         self.model, self.space, self.tuner_name, self.seed = model, space, tuner, check_int(seed, "seed")
         self.base = state.config
         self.point = self._point_of(state.config)
@@ -104,12 +126,12 @@ class AutoTune:
         state.autotune = self
         self._next = policy.due()   # steps until the next decision (the same on every rank)
         self._last = None           # perf_counter at the previous update
-        self._errors = {}           # rank 0: (weight_bits, grad_bits) -> feasible, per exploration
+        self._errors = {}           # rank 0: (exploration, quantization) -> feasible
         self.steps = 0
         self.switches = 0
         self.decision_bytes = 0
         self.history: list[dict] = []
-        self.last_errors: dict | None = None   # the last error check: label, weight, grad
+        self.last_errors: dict | None = None   # the last error check: label, weight, grad, grad_budget
 
     # ------------------------------------------------------------------ what runs
     @property
@@ -199,18 +221,26 @@ class AutoTune:
         the budgets; measured on every rank (a CHECK broadcast, then :meth:`_check`), once per
         quantization per exploration."""
         cfg = self._config_of(point)
-        key = (self.policy.explorations, cfg.weight_bits, cfg.grad_bits)
+        key = (self.policy.explorations, cfg.weight_bits, cfg.grad_bits, cfg.weight_block, cfg.grad_block,
+               cfg.grad_error_feedback)
         if key not in self._errors:
             self._send(_CHECK, 0, point)
             self._errors[key] = self._check(point)
         return self._errors[key]
 
+    def grad_budget(self, config) -> float:
+        """The gradients' error budget of a configuration (a ZeroConfig): ``feedback_error`` when its
+        gradients run with error feedback, else ``grad_error``."""
+        return self.feedback_error if config.grad_error_feedback else self.grad_error
+
     def _check(self, point) -> bool:
         cfg = self._config_of(point)
         weight, grad = relative_errors(self.model, cfg.weight_bits, cfg.grad_bits, cfg.weight_block, cfg.grad_block)
         self.decision_bytes += 32
-        self.last_errors = {"label": config_label(self.space.config(point)), "weight": weight, "grad": grad}
-        return not weight > self.weight_error and not grad > self.grad_error   # NaN (no gradient yet): not over
+        budget = self.grad_budget(cfg)
+        self.last_errors = {"label": config_label(self.space.config(point)), "weight": weight, "grad": grad,
+                            "grad_budget": budget}
+        return not weight > self.weight_error and not grad > budget   # NaN (no gradient yet): not over
 
     # ------------------------------------------------------------------ checkpoints
     def _space_doc(self) -> list:

@@ -112,7 +112,7 @@ def deepspeed_json(config, ranks_per_node: int | None = None) -> dict:
 
 def quantize_comm_kwargs(config) -> tuple[dict, dict]:
     """``(kwargs, left)``: the keyword arguments of :func:`qcoll.fsdp.quantize_comm` for the configuration
-    (every one of its six: ``weight_bits``, ``grad_bits``, ``weight_block``, ``grad_block``, ``hpz``,
+    (every one of its seven: ``weight_bits``, ``grad_bits``, ``weight_block``, ``grad_block``, ``hpz``,
     ``hadamard`` from ``grad_hadamard``), and ``{field: value}`` of the configuration's fields that differ
     from ZeroConfig's defaults and have no ``quantize_comm`` argument (FSDP2's own settings or nothing)."""
     cfg = zero_config(config)

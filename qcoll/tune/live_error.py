@@ -8,7 +8,10 @@ hop quantizes once, so the gradient error is the root sum of squares of the two 
 pair ``(intra, inter)`` gives one error at each width, an int ``b`` two at ``b``). The reduced
 gradient stands in for the per-rank gradients the hops quantize (those are gone after the backward).
 The plain codec is used: a rotation or an outlier reserve of the configuration would only lower the
-error, so the budget is checked conservatively.
+error, so the budget is checked conservatively. Any width of :data:`qcoll.quant.format.VALID_BITS`
+(2 bits included, alone or in a pair) is measured alike; with error feedback the same one-step error
+is what a step delays rather than loses, and :class:`~qcoll.tune.AutoTune` holds it to its own budget
+(``feedback_error``).
 """
 from __future__ import annotations
 

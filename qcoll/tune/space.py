@@ -72,7 +72,8 @@ ZEROPP_KNOBS = [
 
 #: the knobs :class:`qcoll.tune.AutoTune` switches between training steps (ZeroConfig field names): only
 #: the wire format, never the layout (``weight_block``, ``persist_threshold`` and ``compute_dtype`` are
-#: fixed when the model is sharded; :mod:`qcoll.zero.reconfigure`). 384 configurations.
+#: fixed when the model is sharded; :mod:`qcoll.zero.reconfigure`). 384 configurations; a model whose
+#: gradients run with error feedback is also offered 2-bit gradients (:func:`online_space`).
 ONLINE_KNOBS = [
     Knob("weight_bits", (4, 6, 8, None)),
     Knob("grad_bits", (4, (8, 4), 8, None)),
@@ -83,9 +84,26 @@ ONLINE_KNOBS = [
 ]
 
 
-def online_space(knobs: list[Knob] | None = None) -> Space:
-    """The space :class:`qcoll.tune.AutoTune` searches by default (``ONLINE_KNOBS``)."""
-    return Space(list(knobs or ONLINE_KNOBS))
+#: the gradient width ``online_space(feedback=True)`` adds to the ``grad_bits`` knob (error feedback re-sends
+#: what its codes lose)
+FEEDBACK_GRAD_BITS = 2
+
+
+def online_space(knobs: list[Knob] | None = None, feedback: bool = False) -> Space:
+    """The space :class:`qcoll.tune.AutoTune` searches by default (``knobs``, default ``ONLINE_KNOBS``).
+
+    ``feedback``: the model's gradients run with error feedback (``ZeroConfig.grad_error_feedback``),
+    which re-sends what the codes failed to send: the ``grad_bits`` knob then also offers 2 bits, first
+    (the narrowest width, in the knob's ordinal order): ``(2, 4, (8, 4), 8, None)``, 480 configurations
+    from ``ONLINE_KNOBS``. A knob that has 2 already, or a space without a ``grad_bits`` knob, is kept
+    as it is."""
+    if not isinstance(feedback, bool):
+        raise TypeError(f"feedback must be a bool, got {feedback!r}")
+    knobs = list(knobs or ONLINE_KNOBS)
+    if feedback:
+        knobs = [Knob(k.name, (FEEDBACK_GRAD_BITS, *k.values))
+                 if k.name == "grad_bits" and FEEDBACK_GRAD_BITS not in k.values else k for k in knobs]
+    return Space(knobs)
 
 
 def config_label(config: dict) -> str:
