@@ -167,6 +167,9 @@ def _bad_input(rank, world, case):
         quantize_comm(fsdp2_transformer(reshard_after_forward=2), topo, grad_block=100)
     if case == "topology":
         quantize_comm(fsdp2_transformer(hsdp=True), qcoll.Topology(4))
+    if case == "topology vs hpz":   # one node of 4: nothing would be quantized, but the group is no node's
+        quantize_comm(fsdp2_transformer(ranks_per_node=4, reshard_after_forward=2), qcoll.Topology(4), hpz=False,
+                      weight_bits=None)
     if case == "module":
         quantize_comm("model", topo)
 
@@ -179,6 +182,7 @@ def _bad_input(rank, world, case):
     ("bits", ValueError, "bits must be one of"),
     ("block", ValueError, "block_size must be a power of two"),
     ("topology", ValueError, "init_device_mesh(device, (1, 4)"),
+    ("topology vs hpz", ValueError, "reshard_after_forward=2 keeps its shard on ranks"),
     ("module", TypeError, "module must be a torch.nn.Module, got str"),
 ])
 def test_bad_input_is_a_clear_error(ranks4, case, error, words):

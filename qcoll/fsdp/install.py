@@ -172,9 +172,20 @@ def _check_hpz(m, group, topology: Topology, hpz: bool, weight_bits, root: bool)
     """The backward all-gather's group (FSDP2's ``reshard_after_forward``) against ``hpz``."""
     L, N = topology.ranks_per_node, topology.num_nodes
     state = m._get_fsdp_state()
-    if N == 1 or L == 1 or weight_bits is None or (root and state._auto_reshard_after_forward):
-        return              # (FSDP2 keeps the root unsharded after forward when it is left to choose)
     post = group.post_forward_mesh_info
+    if root and state._auto_reshard_after_forward:
+        return              # (FSDP2 keeps the root unsharded after forward when it is left to choose)
+    if post is not None and post is not group.mesh_info:   # reshard_after_forward=<int>: hpZ's group, always
+        ranks, t = group_ranks(post.shard_process_group), topology
+        node = list(range(t.node * L, (t.node + 1) * L))
+        if ranks != node:
+            raise ValueError(f"quantize_comm: {type(m).__name__}'s reshard_after_forward={post.shard_mesh_size} keeps "
+                             f"its shard on ranks {ranks} after forward, but {topology!r} puts rank {t.rank} on a node "
+                             f"of ranks {node}: hpZ's post-forward group is the node; call fully_shard(module, "
+                             f"reshard_after_forward={L}), or pass the topology the job has "
+                             f"(qcoll.Topology(ranks_per_node=...))")
+    if N == 1 or L == 1 or weight_bits is None:
+        return
     if state._auto_reshard_after_forward or post is None:
         if post is None and not state._auto_reshard_after_forward:
             return          # reshard_after_forward=False: no backward all-gather at all
