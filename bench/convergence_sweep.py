@@ -70,11 +70,12 @@ def _build(name: str, seed: int):
     return byte_llama(CHAR.context, seed), None, causal_lm_loss
 
 
-def _cfg(weight_bits, grad_bits=4, sr=False, block=256, feedback=False) -> zero.ZeroConfig:
+def _cfg(weight_bits, grad_bits=4, sr=False, block=256, feedback=False, beta=0.0) -> zero.ZeroConfig:
     if weight_bits is None and grad_bits is None:
         return zero.ZeroConfig.zero3()
     return zero.ZeroConfig(weight_bits=weight_bits, hpz=weight_bits is not None, grad_bits=grad_bits,
-                           weight_block=block, stochastic_grad_rounding=sr, grad_error_feedback=feedback)
+                           weight_block=block, stochastic_grad_rounding=sr, grad_error_feedback=feedback,
+                           grad_feedback_beta=beta)
 
 
 def _install_bug(kind: str | None):
@@ -200,8 +201,12 @@ def _feedback(a, topo, out):
                 ("w8g2", "ZeRO++ 8/2", _cfg(8, 2), a.seeds[0]),
                 ("w8g2-ef", "ZeRO++ 8/2, error feedback", _cfg(8, 2, feedback=True), a.seeds[0]),
                 ("w4g2-ef", "ZeRO++ 4/2, error feedback", _cfg(4, 2, feedback=True), a.seeds[0]),
-                ("w4g82-ef", "ZeRO++ 4/(8 in, 2 across), error feedback", _cfg(4, (8, 2), feedback=True), a.seeds[0])]
+                ("w4g82-ef", "ZeRO++ 4/(8 in, 2 across), error feedback", _cfg(4, (8, 2), feedback=True), a.seeds[0]),
+                ("w8g2-loco", "ZeRO++ 8/2, LoCo feedback (beta 0.8)", _cfg(8, 2, feedback=True, beta=0.8), a.seeds[0]),
+                ("w4g2-loco", "ZeRO++ 4/2, LoCo feedback (beta 0.8)", _cfg(4, 2, feedback=True, beta=0.8), a.seeds[0])]
         for key, label, config, seed in rows:
+            if a.only and key not in a.only:
+                continue
             r = _train(a, topo, model, config, seed, a.steps, a.lr, data, a.batch_seed)
             out["runs"].append({"model": model, "phase": "pretrain", "key": key, "label": label, "seed": seed,
                                 "config": _config_dict(config), **r})
@@ -226,6 +231,10 @@ def _rank_main(a):
     out = {"command": "convergence_sweep", "world": topo.world_size, "ranks_per_node": topo.ranks_per_node,
            "args": vars(a), "runs": []}
     t0 = time.perf_counter()
+    if a.merge:
+        import json
+        with open(a.merge) as f:
+            out["runs"] += json.load(f)["runs"]
     {"sweep": _sweep, "plateau": _plateau, "controls": _controls, "feedback": _feedback}[a.mode](a, topo, out)
     out["total_wall_s"] = time.perf_counter() - t0
     if dist.get_rank() == 0:
@@ -343,6 +352,8 @@ def main(argv=None) -> None:
     p.add_argument("--plateau-steps", type=int, default=120)
     p.add_argument("--plateau-batch-seeds", type=int, nargs="+", default=[7, 8])
     p.add_argument("--escape-loss", type=float, default=3.05)
+    p.add_argument("--only", nargs="*", default=None, metavar="KEY", help="--feedback: run only these rows")
+    p.add_argument("--merge", default=None, help="--feedback: the runs of an earlier JSON go first in the report")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if a.mode == "plateau" and a.seeds == [0, 1]:

@@ -276,3 +276,18 @@ def test_qgz_feedback_refuses_what_it_cannot_feed_back():
     other = qcoll.ErrorFeedback()
     other.load_state_dict(state)
     assert other.send.shape == (4000,) and other.own.shape == (2000,)
+
+
+def test_beta_keeps_a_moving_average_of_the_losses():
+    """LoCo's residual, against float64 arithmetic: r = beta r + (1 - beta) (compensated - decoded)."""
+    gen = torch.Generator().manual_seed(3)
+    old, comp, dec = (torch.randn(64, generator=gen) for _ in range(3))
+    for beta in (0.0, 0.8):
+        ef = qcoll.ErrorFeedback(64, 1, beta=beta)
+        ef.send.copy_(old)
+        ef.keep(ef.send, comp.view(4, 16), dec.view(4, 16))
+        want = beta * old.double() + (1 - beta) * (comp.double() - dec.double())
+        assert torch.allclose(ef.send.double(), want, atol=1e-6), beta
+    for bad, error in ((1.0, ValueError), (-0.1, ValueError), ("0.8", TypeError), (True, TypeError)):
+        with pytest.raises(error, match="beta must"):
+            qcoll.ErrorFeedback(beta=bad)

@@ -166,3 +166,20 @@ def test_residuals_of_no_or_another_layout_start_at_zero_with_a_warning(ranks4, 
     for before, after, caught in results:
         assert before > 0 and after == 0
         assert any("residuals start at zero" in w and why in w for w in caught), caught
+
+
+def _betas(rank, world):
+    m, _ = _fed_model(0, grad_feedback_beta=0.8)
+    groups = [g for g in state_of(m).groups if g.grad_feedback is not None]
+    first = {g.grad_feedback.beta for g in groups}
+    zero.reconfigure(m, zero.ZeroConfig(**{**FED, "grad_bits": 4, "grad_feedback_beta": 0.5}))
+    second = {g.grad_feedback.beta for g in groups}
+    cfg = zero.reconfigure.__globals__["with_knobs"](state_of(m).config, grad_bits=None)
+    return first, second, cfg.grad_feedback_beta
+
+
+def test_the_feedback_beta_reaches_every_groups_residual_and_follows_reconfigure(ranks4):
+    for first, second, dropped in ranks4.run(_betas):
+        assert first == {0.8} and second == {0.5} and dropped == 0.0
+    with pytest.raises(ValueError, match="grad_feedback_beta=0.5 needs grad_error_feedback=True"):
+        zero.ZeroConfig(grad_feedback_beta=0.5)

@@ -84,7 +84,7 @@ def all_reduce_quantized(
     padded = torch.zeros(g * S, dtype=tensor.dtype, device=tensor.device)
     padded[: flat.numel()].copy_(flat)
     header = framing.Header(bits, block_size, S, average=op == "avg", error_feedback=ef is not None)
-    frames = framing.frame(_quantize(padded.view(g, S), ef and ef.send, bits, block_size), header)
+    frames = framing.frame(_quantize(padded.view(g, S), ef, ef and ef.send, bits, block_size), header)
     recv, work = all_to_all_frames(frames, group, g)
     ranks = group_ranks(group)
 
@@ -101,7 +101,7 @@ def all_reduce_quantized(
             if op == "avg":
                 total = total / g
             mine = framing.frame(_quantize(total.view(1, S) if ef is not None else total.to(tensor.dtype).view(1, S),
-                                           ef and ef.own, bits, block_size), header)
+                                           ef, ef and ef.own, bits, block_size), header)
         except RankMismatchError as e:   # pass it on instead of leaving the peers waiting in stage 2
             failure = e
             mine = framing.frame(torch.zeros(1, header.payload_nbytes(), dtype=torch.uint8, device=tensor.device),
@@ -121,15 +121,16 @@ def all_reduce_quantized(
     return finish(complete, async_op, "qcoll::all_reduce")
 
 
-def _quantize(values: torch.Tensor, residual: torch.Tensor | None, bits: int, block_size: int) -> torch.Tensor:
-    """Packed rows of ``values`` ``[rows, S]``; with a ``residual``, of ``values + residual``, and
-    the residual becomes what those rows lost (:class:`ErrorFeedback`)."""
-    if residual is None:
+def _quantize(values: torch.Tensor, ef: ErrorFeedback | None, residual: torch.Tensor | None, bits: int,
+              block_size: int) -> torch.Tensor:
+    """Packed rows of ``values`` ``[rows, S]``; with ``ef``, of ``values + residual`` (one of its
+    tensors), and the residual becomes what those rows lost (:meth:`ErrorFeedback.keep`)."""
+    if ef is None:
         return rows.quantize_rows(values, bits, block_size)
     compensated = ErrorFeedback.compensate(values, residual)
     packed = rows.quantize_rows(compensated, bits, block_size)
     decoded = rows.dequantize_rows(packed, values.shape[1], bits, block_size, torch.float32)
-    ErrorFeedback.keep(residual, compensated, decoded)
+    ef.keep(residual, compensated, decoded)
     return packed
 
 

@@ -20,6 +20,15 @@ _STATE_KEYS = ("collective", "numel", "group_size", "nodes", "send", "own", "cal
 COLLECTIVES = ("all_reduce", "reduce_scatter")
 
 
+def check_beta(beta) -> float:
+    """``beta`` of :class:`ErrorFeedback`: a real number in ``[0, 1)``."""
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)):
+        raise TypeError(f"beta must be a float in [0, 1), got {beta!r}")
+    if not 0.0 <= beta < 1.0:
+        raise ValueError(f"beta must be in [0, 1), got {beta!r}")
+    return float(beta)
+
+
 def residual_sizes(collective: str, numel: int, group_size: int, nodes: int) -> tuple[int, int]:
     """Elements of the two residuals: the all-reduce's ``(g * S, S)`` (``S = ceil(numel / g)``);
     qgZ's ``(numel, N * S)`` (``S = numel / W``; the hop-2 residual only where both hops run)."""
@@ -49,14 +58,24 @@ class ErrorFeedback:
     that is not finite is zeroed, so one overflow does not poison every later call (the call
     that met it still returns the non-finite value, as without error feedback).
 
+    ``beta``: 0 (the default) keeps what the last call lost, classic error feedback. Above 0 the
+    residual is a moving average of the losses, ``r = beta * r + (1 - beta) * lost`` (LoCo,
+    Xie et al. 2024; DeepSpeed's ``err_beta``): each step re-sends a damped part of what earlier
+    ones lost. Adam-family optimizers need it at 2 bits: a full residual piles up on a block's
+    small entries until they are sent at once as a whole code step, bursts that Adam's per-entry
+    normalization turns into large updates. (The sum of what the group receives then no longer
+    telescopes to what it was sent.)
+
     ``state_dict()`` / ``load_state_dict()`` save and load it (torch.distributed.checkpoint or
-    ``torch.save``); the residual is per rank, so give each rank's state its own key.
+    ``torch.save``); the residual is per rank, so give each rank's state its own key. ``beta`` and
+    ``dtype`` are settings, not state: give them to the constructor.
     """
 
     def __init__(self, numel: int | None = None, group_size: int | None = None,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", beta: float = 0.0):
         if dtype not in RESIDUAL_DTYPES:
             raise ValueError(f"dtype must be one of {RESIDUAL_DTYPES}, got {dtype!r}")
+        self.beta = check_beta(beta)
         if (numel is None) != (group_size is None):
             raise ValueError(f"numel and group_size are given together or not at all, got numel={numel!r}, "
                              f"group_size={group_size!r}")
@@ -119,12 +138,15 @@ class ErrorFeedback:
         """fp32 ``values + residual`` (what is quantized in place of ``values``)."""
         return values.float() + residual.view(values.shape)
 
-    @staticmethod
-    def keep(residual: torch.Tensor, compensated: torch.Tensor, decoded: torch.Tensor) -> None:
-        """``residual = compensated - decoded`` (what the wire lost), non-finite entries zeroed."""
-        lost = compensated - decoded.view(compensated.shape)
+    def keep(self, residual: torch.Tensor, compensated: torch.Tensor, decoded: torch.Tensor) -> None:
+        """``residual`` (this state's tensor or a view into it) = ``compensated - decoded``, what the wire
+        lost (with ``beta``, its moving average), non-finite entries zeroed."""
+        lost = compensated - decoded.reshape(compensated.shape)
         lost.masked_fill_(~torch.isfinite(lost), 0.0)
-        residual.copy_(lost.view(-1))
+        lost = lost.reshape(residual.shape)
+        if self.beta:
+            lost.mul_(1.0 - self.beta).add_(residual.float(), alpha=self.beta)
+        residual.copy_(lost)
 
     # ---------------------------------------------------------------- state
 
@@ -177,4 +199,4 @@ class ErrorFeedback:
     def __repr__(self) -> str:
         shape = "unbound" if self.numel is None else self._describe(self.collective, self.numel, self.group_size,
                                                                      self.nodes)
-        return f"ErrorFeedback({shape}, dtype={self.dtype}, calls={self.calls})"
+        return f"ErrorFeedback({shape}, dtype={self.dtype}, beta={self.beta}, calls={self.calls})"

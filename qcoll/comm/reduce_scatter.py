@@ -246,7 +246,7 @@ class _Qgz:
         if self.ef is not None:   # row l*N+n is slice (n, l): decode back into the input's order
             sent = rows.dequantize_rows(q1.view(self.L * self.N, -1), b - a, self.bits1, self.block_size,
                                         torch.float32).view(self.L, self.N, -1).transpose(0, 1)
-            _keep_strided(residual, x, sent)
+            self.ef.keep(residual, x, sent)
         if self.L == 1:
             return q1.view(1, self.N, -1), None
         return all_to_all_frames(framing.frame(q1.view(self.L, -1), self._header(k, 1)), self.t.intra_group, self.L)
@@ -289,8 +289,8 @@ class _Qgz:
                 partial = ErrorFeedback.compensate(rows.dequantize_reduce(got, b - a, self.bits1, self.block_size),
                                                    residual)
                 q2 = rows.quantize_rows(partial, self.bits2, self.block_size, self.stochastic, self.seed, a)
-                _keep_strided(residual, partial, rows.dequantize_rows(q2, b - a, self.bits2, self.block_size,
-                                                                      torch.float32))
+                self.ef.keep(residual, partial, rows.dequantize_rows(q2, b - a, self.bits2, self.block_size,
+                                                                     torch.float32))
         return all_to_all_frames(framing.frame(q2.view(self.N, -1), header), self.t.inter_group, self.N)
 
     def _poison(self, header: framing.Header):
@@ -335,13 +335,6 @@ class _Qgz:
         sim.add_parts(self.similarity, parts, half)
         sim.add_noise(self.similarity, sim.noise_energy(contributions, parts, self.bits2, self.block_size,
                                                         self.stochastic), half)
-
-
-def _keep_strided(residual: torch.Tensor, compensated: torch.Tensor, decoded: torch.Tensor) -> None:
-    """``residual`` (a strided view into the state) = what ``decoded`` lost of ``compensated``."""
-    lost = compensated - decoded
-    lost.masked_fill_(~torch.isfinite(lost), 0.0)
-    residual.copy_(lost)
 
 
 def _plain_two_hop(output, input, topology: Topology, average: bool, similarity: torch.Tensor, async_op):

@@ -7,6 +7,7 @@ import warnings
 import torch
 
 from ..checks import check_bool, check_int
+from ..comm.error_feedback import check_beta
 from ..quant import format as fmt
 from ..quant import outliers as reserve
 
@@ -80,6 +81,10 @@ class ZeroConfig:
     drift. Each rank keeps, per group, fp32 residuals of the group's whole (unsharded) size plus
     ``nodes / world`` of it: a full fp32 gradient per rank, reported by ``memory_report``. Needs
     ``grad_bits``; not with ``grad_outliers`` or SimiGrad's similarity. Default False.
+    ``grad_feedback_beta`` (0 to <1, default 0): the residual is a moving average of what the codes
+    lost (LoCo; :class:`qcoll.ErrorFeedback`'s ``beta``): with Adam-family optimizers at 2 bits a
+    full residual sends a block's small entries in bursts that Adam turns into large updates
+    (bench/RESULTS.md measures it); DeepSpeed's LoCo default is 0.8.
     :func:`qcoll.zero.save` stores the residuals and :func:`qcoll.zero.load` restores them on the
     same world size and node count; on another layout they start at zero, with a warning.
 
@@ -104,6 +109,7 @@ class ZeroConfig:
     broadcast_buffers: bool = True
     reshard_after_backward: bool = True
     grad_error_feedback: bool = False
+    grad_feedback_beta: float = 0.0
 
     def __post_init__(self):
         if self.weight_bits is not None:
@@ -131,6 +137,12 @@ class ZeroConfig:
         if self.grad_error_feedback and (self.grad_bits is None or self.grad_outliers):
             raise ValueError(f"grad_error_feedback=True needs quantized gradients without an outlier reserve, got "
                              f"grad_bits={self.grad_bits}, grad_outliers={self.grad_outliers}")
+        try:
+            object.__setattr__(self, "grad_feedback_beta", check_beta(self.grad_feedback_beta))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"grad_feedback_{e}") from None
+        if self.grad_feedback_beta and not self.grad_error_feedback:
+            raise ValueError(f"grad_feedback_beta={self.grad_feedback_beta} needs grad_error_feedback=True")
         check_int(self.prefetch, "prefetch", minimum=0)
         check_int(self.persist_threshold, "persist_threshold", minimum=0)
         check_int(self.reduce_bucket_numel, "reduce_bucket_numel", minimum=0)

@@ -114,7 +114,8 @@ class FlatGroup:
         #: qgZ's residuals of this group's gradient (``config.grad_error_feedback``; bound at the
         #: first reduction)
         self.grad_feedback: ErrorFeedback | None = (
-            ErrorFeedback(device=self.master.device) if config.grad_error_feedback and not self.replicated else None)
+            ErrorFeedback(device=self.master.device, beta=config.grad_feedback_beta)
+            if config.grad_error_feedback and not self.replicated else None)
 
     @property
     def trainable(self) -> bool:

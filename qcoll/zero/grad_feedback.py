@@ -42,7 +42,8 @@ def bucket_feedback(groups: list["FlatGroup"], starts: list[int], width: int) ->
         bind(g)
     if len(groups) == 1:
         return groups[0].grad_feedback
-    bucket = ErrorFeedback(dtype=groups[0].grad_feedback.dtype, device=groups[0].master.device)
+    bucket = ErrorFeedback(dtype=groups[0].grad_feedback.dtype, device=groups[0].master.device,
+                           beta=groups[0].grad_feedback.beta)
     bucket.bind(t.world_size * width, t.world_size, groups[0].master.device, collective="reduce_scatter",
                 nodes=t.num_nodes)
     for g, a in zip(groups, starts):
@@ -66,15 +67,18 @@ def split_feedback(bucket: ErrorFeedback, groups: list["FlatGroup"], starts: lis
 def follow_config(group: "FlatGroup", old, new) -> None:
     """``reconfigure``'s part: residuals made when error feedback is turned on, dropped (their memory
     freed) when it is turned off, forgotten when the rotation changes (they would be in the other
-    basis); kept across other changes (``grad_bits`` included: a residual is what the values lost)."""
+    basis); kept across other changes (``grad_bits`` and ``grad_feedback_beta`` included: a residual
+    is what the values lost)."""
     if group.replicated:
         return
     if not new.grad_error_feedback:
         group.grad_feedback = None
     elif group.grad_feedback is None:
-        group.grad_feedback = ErrorFeedback(device=group.master.device)
-    elif new.grad_hadamard != old.grad_hadamard:
-        group.grad_feedback.reset()
+        group.grad_feedback = ErrorFeedback(device=group.master.device, beta=new.grad_feedback_beta)
+    else:
+        group.grad_feedback.beta = new.grad_feedback_beta
+        if new.grad_hadamard != old.grad_hadamard:
+            group.grad_feedback.reset()
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -116,6 +116,8 @@ def with_knobs(config: ZeroConfig, **knobs) -> ZeroConfig:
         fields["grad_hadamard"], fields["grad_outliers"], fields["grad_error_feedback"] = False, 0, False
     if fields["grad_outliers"]:
         fields["grad_error_feedback"] = False
+    if not fields["grad_error_feedback"]:
+        fields["grad_feedback_beta"] = 0.0
     if fields["weight_bits"] is None:
         fields["weight_outliers"] = 0
     return ZeroConfig(**fields)
