@@ -46,3 +46,24 @@ def test_error_feedback_needs_quantized_gradients():
         quantize_comm(torch.nn.Linear(2, 2), grad_bits=None, error_feedback=True)
     with pytest.raises(TypeError, match="error_feedback"):
         quantize_comm(torch.nn.Linear(2, 2), error_feedback=1)
+
+
+def _betas(rank, world, hsdp):
+    from qcoll.fsdp.comms import QuantizedReduceScatter
+    from qcoll.fsdp.hybrid import QuantizedAllReduceHook
+    model = fsdp2_transformer(hsdp=hsdp, reshard_after_forward=None if hsdp else 2)
+    quantize_comm(model, qcoll.Topology(2), grad_bits=2, error_feedback=True, feedback_beta=0.8)
+    groups = [g for m in (model.blocks[0], model) for g in m._get_fsdp_state()._fsdp_param_groups]
+    hooks = [g._all_reduce_hook if hsdp else g._reduce_scatter_comm for g in groups]
+    kinds = {type(h).__name__ for h in hooks}
+    return kinds, {h.feedback.beta for h in hooks}
+
+
+@pytest.mark.parametrize("hsdp", [False, True])
+def test_the_feedback_beta_reaches_each_modules_residual(ranks4, hsdp):
+    for kinds, betas in ranks4.run(_betas, hsdp, timeout=120):
+        assert kinds == {"QuantizedAllReduceHook" if hsdp else "QuantizedReduceScatter"} and betas == {0.8}
+    with pytest.raises(ValueError, match="feedback_beta=0.5 needs error_feedback=True"):
+        quantize_comm(torch.nn.Linear(2, 2), grad_bits=2, feedback_beta=0.5)
+    with pytest.raises(ValueError, match="feedback_beta must be in"):
+        quantize_comm(torch.nn.Linear(2, 2), grad_bits=2, error_feedback=True, feedback_beta=1.5)

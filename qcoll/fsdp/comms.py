@@ -198,19 +198,20 @@ class QuantizedReduceScatter(_Allocate, ReduceScatter):
     default for fp32 and bf16 gradients) divides by the world size, ``SUM`` does not.
     A group inside one node is reduced unquantized (``reduce_scatter_tensor``).
     ``error_feedback``: keep this module's qgZ residuals (``self.feedback``, a
-    :class:`qcoll.ErrorFeedback`: fp32 of the module's whole gradient plus ``nodes / world`` of it).
+    :class:`qcoll.ErrorFeedback`: fp32 of the module's whole gradient plus ``nodes / world`` of it);
+    ``feedback_beta``: its ``beta`` (LoCo's moving average).
     """
 
     def __init__(self, topology: Topology, bits: int | tuple[int, int] = 4,
                  block_size: int = fmt.DEFAULT_GRAD_BLOCK, hadamard: bool = False, stochastic: bool = False,
-                 error_feedback: bool = False):
+                 error_feedback: bool = False, feedback_beta: float = 0.0):
         validate.check_topology(topology)
         if validate.check_hop_bits(bits, block_size) is None:
             raise ValueError("bits=None: leave FSDP2's own reduce-scatter in place instead "
                              "(quantize_comm(grad_bits=None))")
         self.topology, self.bits, self.block_size = topology, bits, block_size
         self.hadamard, self.stochastic = hadamard, stochastic
-        self.feedback = ErrorFeedback() if error_feedback else None
+        self.feedback = ErrorFeedback(beta=feedback_beta) if error_feedback else None
 
     def __repr__(self) -> str:
         return f"QuantizedReduceScatter(bits={self.bits}, block_size={self.block_size}, {self.topology!r})"

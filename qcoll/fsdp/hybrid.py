@@ -43,11 +43,11 @@ class QuantizedAllReduceHook:
     """
 
     def __init__(self, group, bits: int = 4, block_size: int = fmt.DEFAULT_GRAD_BLOCK, param_group=None,
-                 error_feedback: bool = False):
+                 error_feedback: bool = False, feedback_beta: float = 0.0):
         self.group, self.bits, self.block_size = group, bits, block_size
         self._param_group = param_group
         #: the all-reduce's residuals (``error_feedback=True``): about (1 + 1/nodes) x the shard's fp32 bytes
-        self.feedback = ErrorFeedback() if error_feedback else None
+        self.feedback = ErrorFeedback(beta=feedback_beta) if error_feedback else None
 
     def __repr__(self) -> str:
         return f"QuantizedAllReduceHook(bits={self.bits}, block_size={self.block_size})"
@@ -67,7 +67,8 @@ def check_installable(param_group) -> None:
                          f"(set_all_reduce_hook) or pass quantize_comm(grad_bits=None)")
 
 
-def install(param_group, topology: Topology, bits: int, block_size: int, error_feedback: bool = False) -> None:
+def install(param_group, topology: Topology, bits: int, block_size: int, error_feedback: bool = False,
+            feedback_beta: float = 0.0) -> None:
     """Quantize ``param_group``'s (an FSDP2 ``FSDPParamGroup`` on an HSDP mesh) all-reduce."""
     check_installable(param_group)
     mesh_info = param_group.mesh_info
@@ -75,7 +76,7 @@ def install(param_group, topology: Topology, bits: int, block_size: int, error_f
         setattr(mesh_info, ORIGINAL_ATTR, mesh_info.replicate_process_group)
     mesh_info.replicate_process_group = _singleton_group(topology.world_size)
     param_group._all_reduce_hook = QuantizedAllReduceHook(getattr(mesh_info, ORIGINAL_ATTR), bits, block_size,
-                                                          param_group, error_feedback)
+                                                          param_group, error_feedback, feedback_beta)
 
 
 def uninstall(param_group) -> None:

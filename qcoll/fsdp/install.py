@@ -12,6 +12,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, FSDPM
 
 from ..checks import check_bool
 from ..comm import Topology, validate
+from ..comm.error_feedback import check_beta
 from ..quant import format as fmt
 from . import handshake, hybrid
 from .comms import QuantizedAllGather, QuantizedReduceScatter, group_ranks, is_world
@@ -20,7 +21,8 @@ from .comms import QuantizedAllGather, QuantizedReduceScatter, group_ranks, is_w
 def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight_bits: int | None = 8,
                   grad_bits: int | tuple[int, int] | None = 4, weight_block: int = fmt.DEFAULT_WEIGHT_BLOCK,
                   grad_block: int = fmt.DEFAULT_GRAD_BLOCK, hpz: bool = True, hadamard: bool = False,
-                  error_feedback: bool = False, timeout: datetime.timedelta | None = None) -> list[FSDPModule]:
+                  error_feedback: bool = False, feedback_beta: float = 0.0,
+                  timeout: datetime.timedelta | None = None) -> list[FSDPModule]:
     """Put qcoll's quantized collectives into every FSDP2 module under ``module``.
 
     Call it on every rank after ``fully_shard`` and before the first forward (a
@@ -60,6 +62,8 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
     what it failed to send at the last step (:class:`qcoll.ErrorFeedback`, one per module, held
     by its reduce-scatter / all-reduce hook), so 2-bit gradients do not drift; fp32 residuals of
     each module's whole gradient on a 1-D mesh, of its shard on HSDP. Needs ``grad_bits``.
+    ``feedback_beta`` (0 to <1): the residual is a moving average of the losses (LoCo; for Adam at
+    2 bits, see :class:`qcoll.ErrorFeedback`); needs ``error_feedback``.
     ``qcoll.comm.stats`` counts what each group sends.
     """
     if not isinstance(module, nn.Module):
@@ -71,6 +75,12 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
     check_bool(error_feedback, "error_feedback")
     if error_feedback and grad_bits is None:
         raise ValueError("error_feedback=True needs quantized gradients (grad_bits is None)")
+    try:
+        feedback_beta = check_beta(feedback_beta)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"feedback_{e}") from None
+    if feedback_beta and not error_feedback:
+        raise ValueError(f"feedback_beta={feedback_beta} needs error_feedback=True")
     if timeout is not None and not (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0):
         raise TypeError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
     if hadamard and grad_bits is None:
@@ -89,6 +99,7 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
     topology = _topology(topology, groups[0][1].mesh_info)
     handshake.agree(dict(weight_bits=weight_bits, grad_bits=grad_bits, weight_block=weight_block,
                          grad_block=grad_block, hpz=hpz, hadamard=hadamard, error_feedback=error_feedback,
+                         feedback_beta=feedback_beta,
                          ranks_per_node=topology.ranks_per_node,
                          groups=len(groups),
                          parameters=sum(p._orig_size.numel() for _, g in groups for p in g.fsdp_params)), timeout)
@@ -109,12 +120,12 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
             if grad_bits is None:
                 hybrid.uninstall(group)
             else:
-                hybrid.install(group, topology, _inter_bits(grad_bits), grad_block, error_feedback)
+                hybrid.install(group, topology, _inter_bits(grad_bits), grad_block, error_feedback, feedback_beta)
             continue
         m.set_custom_all_gather(DefaultAllGather() if weight_bits is None else QuantizedAllGather(
             topology, weight_bits, weight_block, [p._orig_size for p in group.fsdp_params]))
         m.set_custom_reduce_scatter(DefaultReduceScatter() if grad_bits is None else QuantizedReduceScatter(
-            topology, grad_bits, grad_block, hadamard, error_feedback=error_feedback))
+            topology, grad_bits, grad_block, hadamard, error_feedback=error_feedback, feedback_beta=feedback_beta))
     if topology.num_nodes == 1 and (weight_bits is not None or grad_bits is not None):
         _warn_one_node(topology)
     return targets

@@ -36,7 +36,7 @@ _PRECISION_SECTIONS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 #: ZeroConfig field -> ``quantize_comm`` keyword
 QUANTIZE_COMM_ARGS = {"weight_bits": "weight_bits", "grad_bits": "grad_bits", "weight_block": "weight_block",
                       "grad_block": "grad_block", "hpz": "hpz", "grad_hadamard": "hadamard",
-                      "grad_error_feedback": "error_feedback"}
+                      "grad_error_feedback": "error_feedback", "grad_feedback_beta": "feedback_beta"}
 #: ZeroConfig fields FSDP2 sets itself, not ``quantize_comm``: where
 _FSDP2_SETS = {"compute_dtype": "MixedPrecisionPolicy(param_dtype=...)",
                "reshard_after_backward": "FSDPModule.set_reshard_after_backward",
@@ -112,8 +112,9 @@ def deepspeed_json(config, ranks_per_node: int | None = None) -> dict:
 
 def quantize_comm_kwargs(config) -> tuple[dict, dict]:
     """``(kwargs, left)``: the keyword arguments of :func:`qcoll.fsdp.quantize_comm` for the configuration
-    (every one of its seven: ``weight_bits``, ``grad_bits``, ``weight_block``, ``grad_block``, ``hpz``,
-    ``hadamard`` from ``grad_hadamard``), and ``{field: value}`` of the configuration's fields that differ
+    (every one of its eight: ``weight_bits``, ``grad_bits``, ``weight_block``, ``grad_block``, ``hpz``,
+    ``hadamard`` from ``grad_hadamard``, ``error_feedback`` and ``feedback_beta`` from ``grad_error_feedback``
+    and ``grad_feedback_beta``), and ``{field: value}`` of the configuration's fields that differ
     from ZeroConfig's defaults and have no ``quantize_comm`` argument (FSDP2's own settings or nothing)."""
     cfg = zero_config(config)
     kwargs = {arg: getattr(cfg, field) for field, arg in QUANTIZE_COMM_ARGS.items()}
