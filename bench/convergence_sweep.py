@@ -238,9 +238,9 @@ def _rank_main(a):
     {"sweep": _sweep, "plateau": _plateau, "controls": _controls, "feedback": _feedback}[a.mode](a, topo, out)
     out["total_wall_s"] = time.perf_counter() - t0
     if dist.get_rank() == 0:
-        print(report(out), flush=True)
-        if a.json:
+        if a.json:   # first: a report that fails must not lose the runs
             write_json(a.json, out)
+        print(report(out), flush=True)
 
 
 def _ratio(x, base):
@@ -252,6 +252,9 @@ def _feedback_report(a: dict, runs: list) -> list[str]:
     for model in a["models"]:
         pre = {r["key"]: r for r in runs if r["model"] == model}
         n = a["steps"]
+        if "zero3" not in pre or "zero3-seedB" not in pre:
+            lines.append(f"{model}: no ZeRO-3 rows to compare with (merge the runs that have them: --merge)")
+            continue
         base = _tail(pre["zero3"]["losses"], n, a["tail"])
         noise = abs(_tail(pre["zero3-seedB"]["losses"], n, a["tail"]) - base) / base
         zbytes = pre["zero3"]["inter_bytes_per_step"]
