@@ -9,5 +9,7 @@ precision, state dicts). This layer builds on ``qcoll.comm`` and imports nothing
 from .comms import QuantizedAllGather, QuantizedReduceScatter
 from .hybrid import QuantizedAllReduceHook
 from .install import quantize_comm
+from .reconfigure import comm_settings, reconfigure_comm
 
-__all__ = ["quantize_comm", "QuantizedAllGather", "QuantizedReduceScatter", "QuantizedAllReduceHook"]
+__all__ = ["quantize_comm", "reconfigure_comm", "comm_settings", "QuantizedAllGather", "QuantizedReduceScatter",
+           "QuantizedAllReduceHook"]

@@ -57,24 +57,29 @@ class QuantizedAllGather(_Allocate, AllGather):
     A group that spans nodes is gathered with :func:`qcoll.all_gather_quantized` at
     ``bits`` (node by node when it is the whole world and the topology has several ranks
     per node). A group inside one node (hpZ's backward gather, after
-    ``reshard_after_forward=<ranks per node>``) is gathered unquantized: its link is fast,
-    and the post-forward shard FSDP2 keeps is already the dequantized weight, so the
-    backward sees the forward's weights exactly; it runs on the topology's node group
-    (:meth:`_inside`). Both go through qcoll's collectives, so
-    ``qcoll.comm.stats`` counts them and frames check them.
+    ``reshard_after_forward=<ranks per node>``) moves ``bits`` codes too
+    (``quantize_inside``, default True), and the backward still sees the forward's weights
+    bit for bit: the post-forward shard FSDP2 keeps is the forward's dequantized weight, and
+    quantizing a dequantized block again with the same bits and block gives the same codes and
+    scale. So each parameter's post-forward shard, which FSDP2 cuts from the forward's
+    all-gather output (``N`` consecutive world shards, one per node), is sent as the forward's
+    own blocks: each world shard on blocks of its own. ``quantize_inside=False`` gathers it
+    unquantized. It runs on the topology's node group (:meth:`_inside`). Both go through
+    qcoll's collectives, so ``qcoll.comm.stats`` counts them and frames check them.
 
     ``async_op`` calls complete before returning (FSDP2 then orders its copy-out on the
     all-gather stream, on which the collective ran).
     """
 
     def __init__(self, topology: Topology, bits: int = 8, block_size: int = fmt.DEFAULT_WEIGHT_BLOCK,
-                 param_sizes: Sequence[torch.Size] | None = None):
+                 param_sizes: Sequence[torch.Size] | None = None, quantize_inside: bool = True):
         validate.check_topology(topology)
         validate.check_quant_args(bits, block_size)
         if bits is None:
             raise ValueError("bits=None: leave FSDP2's own all-gather in place instead (quantize_comm(weight_bits=None))")
         self.topology, self.bits, self.block_size = topology, bits, block_size
         self.param_sizes = None if param_sizes is None else [torch.Size(s) for s in param_sizes]
+        self.quantize_inside = quantize_inside
 
     def __repr__(self) -> str:
         return f"QuantizedAllGather(bits={self.bits}, block_size={self.block_size}, {self.topology!r})"
@@ -104,7 +109,7 @@ class QuantizedAllGather(_Allocate, AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> None:
         if not spans_nodes(group, self.topology):
-            all_gather_quantized(output_tensor, input_tensor, None, group=self._inside(group))
+            self._gather_inside(output_tensor, input_tensor, group)
             return None
         where = dict(topology=self.topology) if is_world(group, self.topology) else dict(group=group)
         size = len(group_ranks(group))
@@ -118,6 +123,25 @@ class QuantizedAllGather(_Allocate, AllGather):
         return None
 
 
+    def _gather_inside(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group) -> None:
+        """hpZ's backward gather inside the node: each parameter's post-forward shard as the forward's
+        blocks at ``bits`` (class docstring); unquantized with ``quantize_inside=False``."""
+        size = len(group_ranks(group))
+        inside = self._inside(group)
+        if not self.quantize_inside or self.param_sizes is None or size == 1:
+            all_gather_quantized(output_tensor, input_tensor, None, group=inside)
+            return
+        world = self.shard_numels(self.topology.world_size)
+        layout = _AlignedLayout.build([n for n in world for _ in range(self.topology.world_size // size)],
+                                      input_tensor.numel(), self.block_size, what="hpZ's post-forward shards")
+        if layout is None:   # every world shard starts at a block already
+            all_gather_quantized(output_tensor, input_tensor, self.bits, self.block_size, group=inside)
+            return
+        wire_out = torch.empty(size * layout.padded, dtype=output_tensor.dtype, device=output_tensor.device)
+        all_gather_quantized(wire_out, layout.pack(input_tensor), self.bits, self.block_size, group=inside)
+        layout.unpack(wire_out.view(size, -1), output_tensor.view(size, -1))
+
+
 class _AlignedLayout:
     """Shards of ``numels`` elements, each placed at a multiple of the block size."""
 
@@ -125,12 +149,13 @@ class _AlignedLayout:
         self.numels, self.starts, self.padded = numels, starts, padded
 
     @classmethod
-    def build(cls, numels: list[int] | None, total: int, block_size: int) -> "_AlignedLayout | None":
+    def build(cls, numels: list[int] | None, total: int, block_size: int,
+              what: str = "the parameter group's shards") -> "_AlignedLayout | None":
         """The layout, or None when the plain input is already aligned (or no sizes are known)."""
         if numels is None:
             return None
         if sum(numels) != total:
-            raise ValueError(f"the all-gather input has {total} elements, but the parameter group's shards "
+            raise ValueError(f"the all-gather input has {total} elements, but {what} "
                              f"add up to {sum(numels)} ({numels}); quantize_comm supports FSDP2's default "
                              f"Shard(0) placement only (no shard_placement_fn, no fsdp_pre_all_gather "
                              f"tensor subclasses)")

@@ -68,6 +68,31 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    settings = check_settings(weight_bits=weight_bits, grad_bits=grad_bits, weight_block=weight_block,
+                              grad_block=grad_block, hpz=hpz, hadamard=hadamard, error_feedback=error_feedback,
+                              feedback_beta=feedback_beta)
+    if timeout is not None and not (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0):
+        raise TypeError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
+    targets, groups = fsdp_groups(module, "quantize_comm")
+    started = [type(m).__name__ for m in targets if m._get_fsdp_state()._is_root is not None]
+    if started:
+        raise RuntimeError(f"quantize_comm: {started[0]} has run a forward already (FSDP2 initialized its "
+                           f"communication then); call quantize_comm after fully_shard and before the first forward "
+                           f"(between steps, qcoll.fsdp.reconfigure_comm switches the settings)")
+    install(module, targets, groups, _topology(topology, groups[0][1].mesh_info), settings, timeout)
+    return targets
+
+
+#: the settings ``quantize_comm`` installs and ``reconfigure_comm`` switches
+SETTINGS = ("weight_bits", "grad_bits", "weight_block", "grad_block", "hpz", "hadamard", "error_feedback",
+            "feedback_beta")
+#: where ``install`` keeps a module's topology and settings (``reconfigure_comm`` reads them)
+STATE_ATTR = "_qcoll_quantize_comm"
+
+
+def check_settings(*, weight_bits, grad_bits, weight_block, grad_block, hpz, hadamard, error_feedback,
+                   feedback_beta) -> dict:
+    """``quantize_comm``'s settings checked (a TypeError / ValueError naming the bad one), as a dict."""
     validate.check_quant_args(weight_bits, weight_block)
     validate.check_hop_bits(grad_bits, grad_block)
     check_bool(hpz, "hpz")
@@ -81,54 +106,75 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
         raise type(e)(f"feedback_{e}") from None
     if feedback_beta and not error_feedback:
         raise ValueError(f"feedback_beta={feedback_beta} needs error_feedback=True")
-    if timeout is not None and not (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0):
-        raise TypeError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
     if hadamard and grad_bits is None:
         raise ValueError("hadamard=True needs quantized gradients (grad_bits is None)")
+    return dict(weight_bits=weight_bits, grad_bits=grad_bits, weight_block=weight_block, grad_block=grad_block,
+                hpz=hpz, hadamard=hadamard, error_feedback=error_feedback, feedback_beta=feedback_beta)
+
+
+def fsdp_groups(module: nn.Module, caller: str) -> tuple[list, list]:
+    """``(FSDP modules under module, [(module, param group)])``; a ValueError when there are none."""
     targets = [m for m in module.modules() if isinstance(m, FSDPModule)]
     if not targets:
-        raise ValueError(f"quantize_comm: no FSDP2 module under {type(module).__name__}: call "
+        raise ValueError(f"{caller}: no FSDP2 module under {type(module).__name__}: call "
                          f"torch.distributed.fsdp.fully_shard on it (and on its blocks) first")
-    started = [type(m).__name__ for m in targets if m._get_fsdp_state()._is_root is not None]
-    if started:
-        raise RuntimeError(f"quantize_comm: {started[0]} has run a forward already (FSDP2 initialized its "
-                           f"communication then); call quantize_comm after fully_shard and before the first forward")
     groups = [(m, g) for m in targets for g in m._get_fsdp_state()._fsdp_param_groups]
     if not groups:
-        raise ValueError(f"quantize_comm: the FSDP2 modules under {type(module).__name__} manage no parameters")
-    topology = _topology(topology, groups[0][1].mesh_info)
-    handshake.agree(dict(weight_bits=weight_bits, grad_bits=grad_bits, weight_block=weight_block,
-                         grad_block=grad_block, hpz=hpz, hadamard=hadamard, error_feedback=error_feedback,
-                         feedback_beta=feedback_beta,
-                         ranks_per_node=topology.ranks_per_node,
-                         groups=len(groups),
+        raise ValueError(f"{caller}: the FSDP2 modules under {type(module).__name__} manage no parameters")
+    return targets, groups
+
+
+def install(module: nn.Module, targets: list, groups: list, topology: Topology, settings: dict,
+            timeout: datetime.timedelta | None) -> None:
+    """Agree with every rank, check every group, then put the collectives of ``settings`` in place (a
+    module's error-feedback residuals carry over while error feedback stays on and the rotation does
+    not change); ``module`` keeps the topology and settings for ``reconfigure_comm``."""
+    st = settings
+    handshake.agree(dict(**st, ranks_per_node=topology.ranks_per_node, groups=len(groups),
                          parameters=sum(p._orig_size.numel() for _, g in groups for p in g.fsdp_params)), timeout)
     for m, group in groups:          # every check before any change: an error leaves the model as it was
         info = group.mesh_info
         if isinstance(info, HSDPMeshInfo):
             _check_hsdp(info, topology)
-            if grad_bits is not None:
+            if st["grad_bits"] is not None:
                 hybrid.check_installable(group)
         elif isinstance(info, FSDPMeshInfo):
             _check_flat(info, topology)
-            _check_hpz(m, group, topology, hpz, weight_bits, root=m is targets[0])
+            _check_hpz(m, group, topology, st["hpz"], st["weight_bits"], root=m is targets[0])
         else:
             raise ValueError(f"quantize_comm: {type(m).__name__} is replicated without sharding ({type(info).__name__}); "
                              f"qcoll quantizes FSDP2's sharded (1-D) and HSDP (2-D) meshes")
+    old = getattr(module, STATE_ATTR, None)
+    same_basis = old is not None and old[1]["hadamard"] == st["hadamard"]
     for m, group in groups:
         if isinstance(group.mesh_info, HSDPMeshInfo):
-            if grad_bits is None:
+            kept = getattr(group._all_reduce_hook, "feedback", None)
+            if st["grad_bits"] is None:
                 hybrid.uninstall(group)
             else:
-                hybrid.install(group, topology, _inter_bits(grad_bits), grad_block, error_feedback, feedback_beta)
+                hybrid.install(group, topology, _inter_bits(st["grad_bits"]), st["grad_block"], st["error_feedback"],
+                               st["feedback_beta"])
+                _carry(group._all_reduce_hook, kept, st, same_basis)
             continue
-        m.set_custom_all_gather(DefaultAllGather() if weight_bits is None else QuantizedAllGather(
-            topology, weight_bits, weight_block, [p._orig_size for p in group.fsdp_params]))
-        m.set_custom_reduce_scatter(DefaultReduceScatter() if grad_bits is None else QuantizedReduceScatter(
-            topology, grad_bits, grad_block, hadamard, error_feedback=error_feedback, feedback_beta=feedback_beta))
-    if topology.num_nodes == 1 and (weight_bits is not None or grad_bits is not None):
+        kept = getattr(group._reduce_scatter_comm, "feedback", None)
+        m.set_custom_all_gather(DefaultAllGather() if st["weight_bits"] is None else QuantizedAllGather(
+            topology, st["weight_bits"], st["weight_block"], [p._orig_size for p in group.fsdp_params]))
+        m.set_custom_reduce_scatter(DefaultReduceScatter() if st["grad_bits"] is None else QuantizedReduceScatter(
+            topology, st["grad_bits"], st["grad_block"], st["hadamard"], error_feedback=st["error_feedback"],
+            feedback_beta=st["feedback_beta"]))
+        _carry(group._reduce_scatter_comm, kept, st, same_basis)
+    setattr(module, STATE_ATTR, (topology, dict(st)))
+    if topology.num_nodes == 1 and (st["weight_bits"] is not None or st["grad_bits"] is not None):
         _warn_one_node(topology)
-    return targets
+
+
+def _carry(comm, kept, settings: dict, same_basis: bool) -> None:
+    """Give ``comm`` (a new reduce-scatter or all-reduce hook) the residuals ``kept`` from the one it
+    replaces, when both keep residuals and the gradients stay in the same basis (a residual is what the
+    values lost; a wider or narrower width is fine)."""
+    if kept is not None and getattr(comm, "feedback", None) is not None and same_basis:
+        kept.beta = settings["feedback_beta"]
+        comm.feedback = kept
 
 
 _warned_one_node = False
