@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from qcoll import tune, zero
 from qcoll.tune import AutoTune, Knob, Space, online_space
-from qcoll.tune import autotune as autotune_module
 from qcoll.zero import ZeroConfig
 from qcoll.zero.reconfigure import with_knobs
 from test_tune_autotune import TIMEOUT, _batches, _shard
@@ -55,12 +54,14 @@ def test_the_default_space_offers_2_bit_gradients_only_with_feedback():
 
 # ---------------------------------------------------------------------------- the budgets
 def _stubbed(base, space, monkeypatch, error, **budgets):
-    """An AutoTune's budget check without ranks: ``relative_errors`` stubbed to weight 0.01 and
+    """An AutoTune's budget check without ranks: its driver's live errors stubbed to weight 0.01 and
     gradient ``error`` for quantized gradients (0 unquantized, as the measure gives)."""
-    monkeypatch.setattr(autotune_module, "relative_errors",
-                        lambda model, wb, gb, wblock, gblock: (0.01, 0.0 if gb is None else error))
+    class Driver:
+        @staticmethod
+        def errors(config):
+            return 0.01, 0.0 if config.grad_bits is None else error
     auto = object.__new__(AutoTune)
-    auto.model, auto.base, auto.space, auto.decision_bytes = None, base, space, 0
+    auto.model, auto.base, auto.space, auto.decision_bytes, auto.driver = None, base, space, 0, Driver()
     auto.weight_error = 0.15
     auto.grad_error = budgets.get("grad_error", 0.25)
     auto.feedback_error = budgets.get("feedback_error", 1.25)

@@ -17,6 +17,13 @@ in its broadcast how many steps pass until the next). Only the wire format chang
 weights, gradients and optimizer state are the same tensors, so a run that switches computes
 what a run using each configuration for the same steps computes.
 
+The same on FSDP2: build it on the module given to :func:`qcoll.fsdp.quantize_comm` (every rank,
+after ``quantize_comm``); it switches that module's wire format with
+:func:`qcoll.fsdp.reconfigure_comm` (default space: weight bits 4/8/None, gradient bits
+4/(8,4)/8/None, and 2 with error feedback; blocks and hpZ stay as installed) and measures the
+errors on each rank's local shards (:mod:`qcoll.tune.drivers`). Its state is
+:meth:`AutoTune.state_dict` (JSON), to save beside a DCP checkpoint.
+
 Feasibility: before a configuration runs, the codec's relative error on the model's live weights
 and gradients (:mod:`qcoll.tune.live_error`; one 32-byte all-reduce) must be within
 ``weight_error`` / ``grad_error`` (``feedback_error`` for gradients that run with error feedback,
@@ -36,11 +43,11 @@ from ..checks import check_int, check_number
 from ..comm.agreement import Agreement, wait_timeout
 from ..comm.stats import stats
 from ..zero.load_checks import agreed
-from ..zero.reconfigure import FIXED_FIELDS, layout_allows, reconfigure, with_knobs
-from ..zero.state import state_of
-from .live_error import relative_errors
+from ..zero.config import ZeroConfig
+from ..zero.reconfigure import with_knobs
+from .drivers import driver_for
 from .online_policy import OnlinePolicy, point_of
-from .space import Space, config_label, online_space
+from .space import Space, config_label
 from .tuners import TUNERS
 
 _CHECK, _SWITCH, _KEEP, _FAILED = 0, 1, 2, 3
@@ -89,8 +96,8 @@ class AutoTune:
                  reexplore: int | None = 8, abort: float = 1.5, drift_tolerance: float = 0.2, drift_patience: int = 2,
                  confirm: int = 3, weight_error: float = 0.15, grad_error: float = 0.25,
                  feedback_error: float = 1.25, seed: int = 0):
-        state = state_of(model)
-        space = online_space(feedback=bool(state.config.grad_error_feedback)) if space is None else space
+        driver = driver_for(model)   # a TypeError for a model neither engine runs
+        space = driver.default_space() if space is None else space
         _agree_arguments(tuner=tuner, space=[[k.name, repr(k.values)] for k in space.knobs] if isinstance(
             space, Space) else repr(space), window=window, explore=explore, reexplore=reexplore, abort=abort,
             drift_tolerance=drift_tolerance, drift_patience=drift_patience, confirm=confirm,
@@ -99,7 +106,7 @@ class AutoTune:
             raise ValueError(f"tuner must be 'rrl', 'random' or 'tpe', got {tuner!r}")
         if not isinstance(space, Space):
             raise TypeError(f"space must be a qcoll.tune.Space, got {type(space).__name__}")
-        fields = set(type(state.config).__dataclass_fields__)
+        fields = set(ZeroConfig.__dataclass_fields__)
         unknown = [k.name for k in space.knobs if k.name not in fields]
         if unknown:
             raise ValueError(f"space knobs must be ZeroConfig fields; unknown: {unknown}")
@@ -107,15 +114,16 @@ class AutoTune:
         self.grad_error = check_number(grad_error, "grad_error", above=0)
         self.feedback_error = check_number(feedback_error, "feedback_error", above=0)
         self.model, self.space, self.tuner_name, self.seed = model, space, tuner, check_int(seed, "seed")
-        self.base = state.config
-        self.point = self._point_of(state.config)
+        self.driver = driver
+        self.base = driver.config
+        self.point = self._point_of(self.base)
         for k in space.knobs:  # every configuration of the space must be buildable on this layout
-            if k.name == "weight_bits" and not all(layout_allows(model, with_knobs(self.base, weight_bits=v))
+            if k.name == "weight_bits" and not all(driver.allows(with_knobs(self.base, weight_bits=v))
                                                    for v in k.values):
                 raise ValueError("AutoTune switches to quantized weights, which need a block-aligned layout: "
                                  "shard the model with quantized weights (e.g. the default ZeroConfig(); AutoTune "
                                  "may still pick weight_bits=None)")
-        if getattr(state, "autotune", None) is not None:
+        if driver.owner() is not None:
             raise ValueError("this model has an AutoTune already; one tuner owns a model's wire format")
         self.rank = dist.get_rank()
         self._settings = dict(window=window, explore=explore, reexplore=reexplore, abort=abort,
@@ -123,7 +131,7 @@ class AutoTune:
         # built on every rank, so that every rank refuses the same bad arguments; only rank 0 keeps it
         policy = OnlinePolicy(TUNERS[tuner](space, seed=seed), self.point, feasible=self._feasible, **self._settings)
         self.policy = policy if self.rank == 0 else None
-        state.autotune = self
+        driver.claim(self)
         self._next = policy.due()   # steps until the next decision (the same on every rank)
         self._last = None           # perf_counter at the previous update
         self._errors = {}           # rank 0: (exploration, quantization) -> feasible
@@ -137,7 +145,7 @@ class AutoTune:
     @property
     def config(self):
         """The :class:`~qcoll.zero.ZeroConfig` the model runs now."""
-        return state_of(self.model).config
+        return self.driver.config
 
     @property
     def label(self) -> str:
@@ -211,7 +219,7 @@ class AutoTune:
         return with_knobs(self.base, **self.space.config(point))
 
     def _apply(self, point) -> None:
-        reconfigure(self.model, self._config_of(point))
+        self.driver.apply(self._config_of(point))
         self.point = point
         self.switches += 1
 
@@ -235,7 +243,7 @@ class AutoTune:
 
     def _check(self, point) -> bool:
         cfg = self._config_of(point)
-        weight, grad = relative_errors(self.model, cfg.weight_bits, cfg.grad_bits, cfg.weight_block, cfg.grad_block)
+        weight, grad = self.driver.errors(cfg)
         self.decision_bytes += 32
         budget = self.grad_budget(cfg)
         self.last_errors = {"label": config_label(self.space.config(point)), "weight": weight, "grad": grad,
@@ -312,14 +320,10 @@ class AutoTune:
             raise ValueError(f"the AutoTune state's 'next' must be at most {due} (the restored policy's next decision "
                              f"is due in {due} step(s); window={policy.window}), got {nxt!r:.40}")
         config = self._config_of(point)
-        if not layout_allows(self.model, config):
+        if not self.driver.allows(config):
             raise ValueError(f"the AutoTune state's 'point' {list(point)} needs quantized weights on a layout "
                              "without them")
-        current = state_of(self.model)
-        config.check_topology(current.topology)
-        for name in FIXED_FIELDS:  # (what reconfigure refuses; a space with such a knob)
-            if getattr(config, name) != getattr(current.config, name):
-                raise ValueError(f"the AutoTune state's 'point' {list(point)} changes {name}, fixed at shard()")
+        self.driver.check(config, f"the AutoTune state's 'point' {list(point)}")
         return CheckedState(self, point, nxt, steps, switches, policy)
 
     def apply_checked(self, checked: "CheckedState") -> None:
@@ -329,7 +333,7 @@ class AutoTune:
         if not isinstance(checked, CheckedState) or checked.owner is not self:
             raise TypeError("apply_checked takes what this AutoTune's check_state_dict returned")
         if checked.point != self.point:
-            reconfigure(self.model, self._config_of(checked.point))
+            self.driver.apply(self._config_of(checked.point))
             self.point = checked.point
         self._next, self.steps, self.switches = checked.next, checked.steps, checked.switches
         self.policy = checked.policy if self.rank == 0 else None

@@ -30,27 +30,39 @@ def _squared_error(x: torch.Tensor, bits: int, block: int) -> float:
     return float((dequantize(quantize(x, bits, block), dtype=torch.float32) - x).double().pow(2).sum())
 
 
+def squared_errors(w: torch.Tensor, grad: torch.Tensor | None, weight_bits: int | None, grad_bits, weight_block: int,
+                   grad_block: int) -> list[float]:
+    """``[weight error, weight, gradient error, gradient]`` squared sums of one rank's shard ``w`` and its
+    gradient (each hop of ``grad_bits`` once; see the module docstring)."""
+    hops = () if grad_bits is None else (tuple(grad_bits) if isinstance(grad_bits, tuple) else (grad_bits, grad_bits))
+    out = [0.0, float(w.double().pow(2).sum()), 0.0, 0.0]
+    if weight_bits is not None:
+        out[0] = _squared_error(w, weight_bits, weight_block)
+    if grad is not None:
+        out[3] = float(grad.double().pow(2).sum())
+        out[2] = sum(_squared_error(grad, b, grad_block) for b in hops)
+    return out
+
+
 def relative_errors(model, weight_bits: int | None, grad_bits, weight_block: int, grad_block: int) -> tuple[float, float]:
     """``(weight error, gradient error)``: relative L2 errors (``||q(x) - x|| / ||x||``) over every
     rank's shards (one all-reduce of four float64 over the world, a collective: every rank calls
     it with the same arguments). 0 for an unquantized side; the gradient error is NaN when no
     rank holds a gradient (call it between ``optimizer.step()`` and ``zero_grad()``)."""
     sums = torch.zeros(4, dtype=torch.float64)
-    hops = () if grad_bits is None else (tuple(grad_bits) if isinstance(grad_bits, tuple) else (grad_bits, grad_bits))
     for g in state_of(model).groups:
         if g.replicated:  # kept whole on every rank: never gathered nor reduce-scattered
             continue
-        w = g.master.detach()
-        sums[1] += float(w.double().pow(2).sum())
-        if weight_bits is not None:
-            sums[0] += _squared_error(w, weight_bits, weight_block)
-        grad = g.master.grad
-        if grad is not None:
-            sums[3] += float(grad.double().pow(2).sum())
-            sums[2] += sum(_squared_error(grad, b, grad_block) for b in hops)
+        sums += torch.tensor(squared_errors(g.master.detach(), g.master.grad, weight_bits, grad_bits, weight_block,
+                                            grad_block), dtype=torch.float64)
     dist.all_reduce(sums)
     stats.add("autotune.error", None, sums.numel() * sums.element_size())
-    w_err, w_sq, g_err, g_sq = sums.tolist()
+    return ratios(sums.tolist(), grad_bits)
+
+
+def ratios(sums: list[float], grad_bits) -> tuple[float, float]:
+    """``(weight error, gradient error)`` of the world's squared sums (:func:`squared_errors`)."""
+    w_err, w_sq, g_err, g_sq = sums
     weight = (w_err / w_sq) ** 0.5 if w_sq > 0 else 0.0
-    grad = float("nan") if g_sq == 0 and hops else ((g_err / g_sq) ** 0.5 if g_sq > 0 else 0.0)
+    grad = float("nan") if g_sq == 0 and grad_bits is not None else ((g_err / g_sq) ** 0.5 if g_sq > 0 else 0.0)
     return weight, grad
