@@ -82,9 +82,10 @@ def build(args, mode: str, topo, model):
     return model
 
 
-def run(args, mode: str, topo, build_model, steps):
-    """Train ``mode``; ``steps(args, model, opt, rank, world, loss_fn)`` is train.py's timed loop.
-    Returns train.py's run tuple."""
+def run(args, mode: str, topo, build_model, steps, attach=None):
+    """Train ``mode``; ``steps(args, model, opt, rank, world, loss_fn)`` is train.py's timed loop;
+    ``attach(model, optimizer)`` (optional, as train's ``_run_qcoll`` takes it) may return a callable run
+    before each forward. Returns train.py's run tuple."""
     from torch.distributed.fsdp import FSDPModule
 
     model = build(args, mode, topo, build_model(args))
@@ -98,13 +99,17 @@ def run(args, mode: str, topo, build_model, steps):
         if isinstance(m, FSDPModule):
             m.register_forward_pre_hook(sample)
 
+    memory = {}
+    opt.register_step_post_hook(lambda *_: memory.update(state=state_nbytes(model, opt)))
+    before_forward = attach(model, opt) if attach is not None else None
+
     def forward(m, x, y):
+        if before_forward is not None:
+            before_forward()
         loss = m(x, y)
         sample()
         return loss
 
-    memory = {}
-    opt.register_step_post_hook(lambda *_: memory.update(state=state_nbytes(model, opt)))
     losses, seconds, (intra, inter), link, times, colls, profile = steps(args, model, opt, topo.rank,
                                                                          topo.world_size, forward)
     memory["peak"] = memory.get("state", 0) + held[0]

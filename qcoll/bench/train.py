@@ -291,7 +291,7 @@ def _rank_main(args) -> None:
 
     topo = Topology(args.ranks_per_node)
     args.link_progress = ProgressWriter(topo.rank)
-    modes = list(args.modes) + list(args.peer) + [train_auto.PREFIX + t for t in args.auto]
+    modes = list(args.modes) + list(args.peer) + train_auto.modes(args)
     with progress.Steps(NAME, enabled=topo.rank == 0) as prog:
         args.reporter = prog
         try:
@@ -315,7 +315,8 @@ def _run_modes(args, modes: list[str], topo, prog: progress.Steps) -> list[dict]
         if mode in fsdp_runs.RUNS:
             run = fsdp_runs.run(args, mode, topo, build_model, _steps)
         elif train_auto.is_auto(mode):
-            run, record = train_auto.run(args, mode, topo, _run_qcoll)
+            run, record = train_auto.run(args, mode, topo, _run_qcoll,
+                                         lambda a, m, t, attach: fsdp_runs.run(a, m, t, build_model, _steps, attach))
         else:
             run = _run_qcoll(args, mode, topo)
         prog.end()
@@ -335,7 +336,7 @@ def _run_modes(args, modes: list[str], topo, prog: progress.Steps) -> list[dict]
 
 def _report(args, runs: list[dict], topo) -> None:
     """The comparisons between the runs (every rank), then rank 0's tables, JSON and plot."""
-    if args.auto:
+    if args.auto or args.auto_fsdp2:
         train_auto.summarize(runs, args.settle)
     base = next((r for r in runs if r["mode"] == "zero3"), None)
     best = best_peer(runs)
@@ -354,7 +355,7 @@ def _report(args, runs: list[dict], topo) -> None:
             print(format_adaptive(r), flush=True)
     print(format_table(runs), flush=True)
     print(format_profile(runs), flush=True)
-    if args.auto:
+    if args.auto or args.auto_fsdp2:
         print(train_auto.format_auto(runs, args.settle), flush=True)
         emitted = train_auto.emit_config(args, runs)
         if emitted:
@@ -367,7 +368,7 @@ def _report(args, runs: list[dict], topo) -> None:
                                                                            "warmup", "adaptive_batch",
                                                                            "max_accumulation", "accumulate", "keep_gathered",
                                                                            "similarity_window",
-                                                                           "target_loss", "loss_window", "stop_at_target", "auto",
+                                                                           "target_loss", "loss_window", "stop_at_target", "auto", "auto_fsdp2",
                                                                            "auto_window", "auto_explore",
                                                                            "auto_reexplore", "settle")},
                                    "runs": runs})

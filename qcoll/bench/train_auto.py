@@ -36,6 +36,8 @@ from .link_schedule import SCHEDULE_ENV, change_steps
 
 TUNERS = ("rrl", "random", "tpe")
 PREFIX = "auto-"
+#: the auto runs on the FSDP2 path (``--auto-fsdp2``): ``auto-fsdp2-<tuner>``, from ``fsdp2-qcoll``
+FSDP2_PREFIX = "auto-fsdp2-"
 
 
 def add_options(p) -> None:
@@ -43,6 +45,9 @@ def add_options(p) -> None:
     g.add_argument("--auto", nargs="*", default=[], choices=TUNERS, metavar="TUNER",
                    help="also train with AutoTune switching the wire format between steps, one run per tuner "
                         "(rrl, random, tpe), starting from zeropp")
+    g.add_argument("--auto-fsdp2", nargs="*", default=[], choices=TUNERS, metavar="TUNER",
+                   help="the same on the FSDP2 path: AutoTune switching quantize_comm's settings "
+                        "(qcoll.fsdp.reconfigure_comm), one run per tuner, starting from fsdp2-qcoll")
     g.add_argument("--auto-window", type=cli.positive_int, default=4,
                    help="steps per measured configuration (default 4; see bench/RESULTS.md for why)")
     g.add_argument("--auto-explore", type=cli.positive_int, default=12,
@@ -58,11 +63,12 @@ def add_options(p) -> None:
 
 
 def check(parser, args) -> None:
-    if args.settle >= args.steps and (args.auto or args.settle != 60):
+    auto = args.auto or args.auto_fsdp2
+    if args.settle >= args.steps and (auto or args.settle != 60):
         parser.error(f"--settle {args.settle} must be smaller than --steps {args.steps}")
-    if args.auto and args.adaptive_batch is not None:
-        parser.error("--auto does not combine with --adaptive-batch")
-    if args.emit_config is not None and not args.auto:
+    if auto and args.adaptive_batch is not None:
+        parser.error("--auto (or --auto-fsdp2) does not combine with --adaptive-batch")
+    if args.emit_config is not None and not auto:
         parser.error("--emit-config writes the configuration an --auto run settled on: it needs --auto")
     cli.check_output(parser, "--emit-config", args.emit_config)   # before the runs, not after them
 
@@ -71,23 +77,33 @@ def is_auto(mode: str) -> bool:
     return mode.startswith(PREFIX)
 
 
-def run(args, mode: str, topo, run_qcoll):
-    """Train ``args.steps`` steps with AutoTune (``mode``: ``auto-<tuner>``) from ``zeropp``; ``run_qcoll`` is
-    train's ``_run_qcoll``. Returns train's run tuple and the auto record."""
+def modes(args) -> list[str]:
+    """The auto runs of the command, in order."""
+    return [PREFIX + t for t in args.auto] + [FSDP2_PREFIX + t for t in args.auto_fsdp2]
+
+
+def run(args, mode: str, topo, run_qcoll, run_fsdp2):
+    """Train ``args.steps`` steps with AutoTune (``mode``: ``auto-<tuner>`` from ``zeropp`` through
+    ``run_qcoll``, train's ``_run_qcoll``; ``auto-fsdp2-<tuner>`` from ``fsdp2-qcoll`` through
+    ``run_fsdp2(args, mode, topo, attach)``). Returns train's run tuple and the auto record."""
     from .. import tune
     from ..tune import AutoTune
 
     labels, phases, tuners = [], [], []
 
     def attach(m, opt):
-        auto = AutoTune(m, tuner=mode[len(PREFIX):], window=args.auto_window, explore=args.auto_explore,
+        tuner = mode[len(FSDP2_PREFIX if mode.startswith(FSDP2_PREFIX) else PREFIX):]
+        auto = AutoTune(m, tuner=tuner, window=args.auto_window, explore=args.auto_explore,
                         reexplore=args.auto_reexplore, seed=args.seed)
         tuners.append(auto)
         # after train's memory hook: both before zero_grad (the gradients count in the error budget)
         opt.register_step_post_hook(lambda *_: auto.update())
         return lambda: (labels.append(auto.label), phases.append(auto.phase), _show(args, auto))
 
-    result = run_qcoll(args, "zeropp", topo, attach)
+    if mode.startswith(FSDP2_PREFIX):
+        result = run_fsdp2(args, "fsdp2-qcoll", topo, attach)
+    else:
+        result = run_qcoll(args, "zeropp", topo, attach)
     (auto,) = tuners
     record = {"labels": labels, "phases": phases, "switches": auto.switches, "decision_bytes": auto.decision_bytes,
               "final": auto.label, "explorations": auto.policy.explorations if auto.policy else None,
