@@ -93,3 +93,17 @@ def test_the_live_error_is_the_codecs_on_the_local_shards(ranks4):
 def test_a_model_without_qcoll_comms_is_refused():
     with pytest.raises(TypeError, match="AutoTune drives a model sharded by qcoll.zero.shard, or an FSDP2 model"):
         AutoTune(torch.nn.Linear(2, 2))
+
+
+def _fixed_knob(rank, world):
+    model = fsdp2_transformer(reshard_after_forward=2)
+    quantize_comm(model, qcoll.Topology(2))
+    try:
+        AutoTune(model, space=Space([Knob("grad_bits", (4, 8)), Knob("prefetch", (0, 1))]))
+    except ValueError as e:
+        return str(e)
+
+
+def test_a_knob_fsdp2_cannot_switch_is_refused_by_name(ranks4):
+    for message in ranks4.run(_fixed_knob, timeout=120):
+        assert message.startswith("space knobs ['prefetch'] cannot be switched on FSDP2"), message

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import os
 import socket
+import time
+
+#: seconds a survivor looks again when every local peer still seems to run: a killed peer's sockets close
+#: while the kernel tears the process down, so the transport can fail before the process shows as gone
+GRACE_S = 1.0
 
 #: global rank -> (host, pid), from the last Topology's agreement (empty before one was built)
 _processes: dict[int, tuple[str, int]] = {}
@@ -52,6 +57,10 @@ def describe(ranks) -> str:
         return f"The group's other ranks are {ranks}; build a qcoll.Topology first for a check of which died."
     local = [r for r in known if _processes[r][0] == host]
     dead = [r for r in local if not _running(_processes[r][1])]
+    deadline = time.monotonic() + GRACE_S
+    while local and not dead and time.monotonic() < deadline:
+        time.sleep(0.05)
+        dead = [r for r in local if not _running(_processes[r][1])]
     remote = [r for r in ranks if r not in local]
     parts = []
     if dead:

@@ -110,6 +110,10 @@ class AutoTune:
         unknown = [k.name for k in space.knobs if k.name not in fields]
         if unknown:
             raise ValueError(f"space knobs must be ZeroConfig fields; unknown: {unknown}")
+        fixed = [k.name for k in space.knobs if k.name not in driver.knob_fields]
+        if fixed:
+            raise ValueError(f"space knobs {fixed} cannot be switched on {driver.engine} (its knobs: "
+                             f"{sorted(driver.knob_fields)})")
         self.weight_error = check_number(weight_error, "weight_error", above=0)
         self.grad_error = check_number(grad_error, "grad_error", above=0)
         self.feedback_error = check_number(feedback_error, "feedback_error", above=0)

@@ -26,6 +26,8 @@ class ZeroDriver:
     """``qcoll.zero``: :func:`qcoll.zero.reconfigure` switches, :mod:`qcoll.tune.live_error` measures."""
 
     engine = "qcoll.zero"
+    #: the ZeroConfig fields a space may switch on this engine
+    knob_fields = frozenset(ZeroConfig.__dataclass_fields__)
 
     def __init__(self, model):
         self.model = model
@@ -72,6 +74,8 @@ class FsdpDriver:
 
     engine = "FSDP2"
     _OWNER = "_qcoll_autotune"
+    #: the ZeroConfig fields a space may switch on this engine: quantize_comm's, but hpz (reshard_after_forward)
+    knob_fields = frozenset(QUANTIZE_COMM_ARGS) - {"hpz"}
 
     def __init__(self, model: nn.Module):
         from ..fsdp import comm_settings
