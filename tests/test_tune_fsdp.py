@@ -107,3 +107,18 @@ def _fixed_knob(rank, world):
 def test_a_knob_fsdp2_cannot_switch_is_refused_by_name(ranks4):
     for message in ranks4.run(_fixed_knob, timeout=120):
         assert message.startswith("space knobs ['prefetch'] cannot be switched on FSDP2"), message
+
+
+def _default_spaces(rank, world):
+    out = []
+    for hsdp in (False, True):
+        model = fsdp2_transformer(hsdp=hsdp, reshard_after_forward=None if hsdp else 2)
+        quantize_comm(model, qcoll.Topology(2))
+        out.append([(k.name, k.values) for k in AutoTune(model).space.knobs])
+    return out
+
+
+def test_the_default_fsdp2_space_switches_weights_only_where_they_cross_nodes(ranks4):
+    for flat, hsdp in ranks4.run(_default_spaces, timeout=120):
+        assert flat == [("weight_bits", (4, 8, None)), ("grad_bits", (4, (8, 4), 8, None))]
+        assert hsdp == [("grad_bits", (4, (8, 4), 8, None))]

@@ -89,10 +89,19 @@ class FsdpDriver:
         return ZeroConfig(**{field: s[arg] for field, arg in QUANTIZE_COMM_ARGS.items()})
 
     def default_space(self) -> Space:
+        """``FSDP_KNOBS`` (2-bit gradients too with error feedback); on HSDP the gradient widths alone
+        (its weights never cross nodes: quantize_comm leaves their gathers as FSDP2's own)."""
         knobs = FSDP_KNOBS
         if self.config.grad_error_feedback:
             knobs = [knobs[0], Knob("grad_bits", (2, *knobs[1].values))]
+        if self._hsdp():
+            knobs = knobs[1:]
         return Space(list(knobs))
+
+    def _hsdp(self) -> bool:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+        from ..fsdp.install import fsdp_groups
+        return any(isinstance(g.mesh_info, HSDPMeshInfo) for _, g in fsdp_groups(self.model, "AutoTune")[1])
 
     def allows(self, config: ZeroConfig) -> bool:
         return True   # quantize_comm's all-gather aligns each parameter's shard to blocks itself
