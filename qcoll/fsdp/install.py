@@ -71,8 +71,7 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
     settings = check_settings(weight_bits=weight_bits, grad_bits=grad_bits, weight_block=weight_block,
                               grad_block=grad_block, hpz=hpz, hadamard=hadamard, error_feedback=error_feedback,
                               feedback_beta=feedback_beta)
-    if timeout is not None and not (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0):
-        raise TypeError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
+    check_timeout(timeout)
     targets, groups = fsdp_groups(module, "quantize_comm")
     started = [type(m).__name__ for m in targets if m._get_fsdp_state()._is_root is not None]
     if started:
@@ -110,6 +109,12 @@ def check_settings(*, weight_bits, grad_bits, weight_block, grad_block, hpz, had
         raise ValueError("hadamard=True needs quantized gradients (grad_bits is None)")
     return dict(weight_bits=weight_bits, grad_bits=grad_bits, weight_block=weight_block, grad_block=grad_block,
                 hpz=hpz, hadamard=hadamard, error_feedback=error_feedback, feedback_beta=feedback_beta)
+
+
+def check_timeout(timeout) -> None:
+    """``timeout``: a positive ``datetime.timedelta`` or None (a TypeError naming it otherwise)."""
+    if timeout is not None and not (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0):
+        raise TypeError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
 
 
 def fsdp_groups(module: nn.Module, caller: str) -> tuple[list, list]:

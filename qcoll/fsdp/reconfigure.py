@@ -11,7 +11,7 @@ import datetime
 
 import torch.nn as nn
 
-from .install import SETTINGS, STATE_ATTR, check_settings, fsdp_groups, install
+from .install import SETTINGS, STATE_ATTR, check_settings, check_timeout, fsdp_groups, install
 
 
 def comm_settings(module: nn.Module) -> dict:
@@ -46,8 +46,7 @@ def reconfigure_comm(module: nn.Module, *, timeout: datetime.timedelta | None = 
     if not new["error_feedback"]:
         new["feedback_beta"] = 0.0 if "feedback_beta" not in changes else new["feedback_beta"]
     settings = check_settings(**new)
-    if timeout is not None and not (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0):
-        raise TypeError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
+    check_timeout(timeout)
     targets, groups = fsdp_groups(module, "reconfigure_comm")
     topology = getattr(module, STATE_ATTR)[0]
     install(module, targets, groups, topology, settings, timeout)

@@ -9,16 +9,13 @@ Configurations are :class:`~qcoll.zero.ZeroConfig` values for both engines: on F
 """
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from ..comm.stats import stats
 from ..zero.config import ZeroConfig
 from ..zero.reconfigure import FIXED_FIELDS, layout_allows, reconfigure
 from ..zero.state import state_of
 from .emit import QUANTIZE_COMM_ARGS
-from .live_error import ratios, relative_errors, squared_errors
+from .live_error import relative_errors, shard_errors
 from .space import Knob, Space, online_space
 
 
@@ -115,17 +112,10 @@ class FsdpDriver:
             reconfigure_comm(self.model, **changes)
 
     def errors(self, config: ZeroConfig) -> tuple[float, float]:
-        sums = torch.zeros(4, dtype=torch.float64)
-        for p in self.model.parameters():
-            w = p.to_local() if hasattr(p, "to_local") else p
-            g = p.grad
-            g = (g.to_local() if hasattr(g, "to_local") else g) if g is not None else None
-            part = squared_errors(w.detach(), None if g is None else g.detach(), config.weight_bits, config.grad_bits,
-                                  config.weight_block, config.grad_block)
-            sums += torch.tensor(part, dtype=torch.float64)
-        dist.all_reduce(sums)
-        stats.add("autotune.error", None, sums.numel() * sums.element_size())
-        return ratios(sums.tolist(), config.grad_bits)
+        def local(t):
+            return t.to_local() if hasattr(t, "to_local") else t
+        shards = ((local(p).detach(), None if p.grad is None else local(p.grad).detach()) for p in self.model.parameters())
+        return shard_errors(shards, config.weight_bits, config.grad_bits, config.weight_block, config.grad_block)
 
     def check(self, config: ZeroConfig, where: str) -> None:
         fixed = self.config

@@ -45,16 +45,22 @@ def squared_errors(w: torch.Tensor, grad: torch.Tensor | None, weight_bits: int 
 
 
 def relative_errors(model, weight_bits: int | None, grad_bits, weight_block: int, grad_block: int) -> tuple[float, float]:
+    """``(weight error, gradient error)`` of a ``qcoll.zero`` model's master shards (:func:`shard_errors`;
+    replicated groups, never gathered nor reduce-scattered, left out)."""
+    return shard_errors(((g.master.detach(), g.master.grad) for g in state_of(model).groups if not g.replicated),
+                        weight_bits, grad_bits, weight_block, grad_block)
+
+
+def shard_errors(shards, weight_bits: int | None, grad_bits, weight_block: int, grad_block: int) -> tuple[float, float]:
     """``(weight error, gradient error)``: relative L2 errors (``||q(x) - x|| / ||x||``) over every
-    rank's shards (one all-reduce of four float64 over the world, a collective: every rank calls
-    it with the same arguments). 0 for an unquantized side; the gradient error is NaN when no
-    rank holds a gradient (call it between ``optimizer.step()`` and ``zero_grad()``)."""
+    rank's ``shards`` (``(weight shard, its gradient or None)`` pairs; one all-reduce of four float64
+    over the world, a collective: every rank calls it with the same arguments). 0 for an unquantized
+    side; the gradient error is NaN when no rank holds a gradient (call it between
+    ``optimizer.step()`` and ``zero_grad()``)."""
     sums = torch.zeros(4, dtype=torch.float64)
-    for g in state_of(model).groups:
-        if g.replicated:  # kept whole on every rank: never gathered nor reduce-scattered
-            continue
-        sums += torch.tensor(squared_errors(g.master.detach(), g.master.grad, weight_bits, grad_bits, weight_block,
-                                            grad_block), dtype=torch.float64)
+    for w, grad in shards:
+        sums += torch.tensor(squared_errors(w, grad, weight_bits, grad_bits, weight_block, grad_block),
+                             dtype=torch.float64)
     dist.all_reduce(sums)
     stats.add("autotune.error", None, sums.numel() * sums.element_size())
     return ratios(sums.tolist(), grad_bits)
