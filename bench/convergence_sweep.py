@@ -247,6 +247,14 @@ def _ratio(x, base):
     return f"{x / base:.3f}" if x is not None and base else "-"
 
 
+def _within(is_noise_row: bool, v: float, base: float, noise: float) -> str:
+    """The "within seed noise" cell: "(noise)" for ZeRO-3's own rows, else whether ``v`` is within
+    ``noise`` (relative) of ``base``."""
+    if is_noise_row:
+        return "(noise)"
+    return "yes" if abs(v - base) <= noise * base else "no"
+
+
 def _feedback_report(a: dict, runs: list) -> list[str]:
     lines = []
     for model in a["models"]:
@@ -263,7 +271,7 @@ def _feedback_report(a: dict, runs: list) -> list[str]:
                   "|---|---|---|---|---|---|---|"]
         for key, r in pre.items():
             v = _tail(r["losses"], n, a["tail"])
-            within = "(noise)" if key.startswith("zero3") else ("yes" if abs(v - base) <= noise * base else "no")
+            within = _within(key.startswith("zero3"), v, base, noise)
             lines.append(f"| {r['label']} | {r['seed']} | {v:.4f} | {_ratio(v, base)} | {within} | "
                          f"{r['inter_bytes_per_step']:,.0f} | {_ratio(r['inter_bytes_per_step'], zbytes)} |")
         lines.append(f"ZeRO-3 seed noise |B - A| / A: {noise:.2%}")
@@ -287,8 +295,7 @@ def report(out: dict) -> str:
                       f"| vs ZeRO-3 | within seed noise (step {s2}) |", "|---|---|---|---|---|---|---|"]
             for key, r in pre.items():
                 v = {h: _tail(r["losses"], h, a["tail"]) for h in (s1, s2)}
-                within = "(noise)" if key.startswith("zero3") else \
-                    ("yes" if abs(v[s2] - base[s2]) <= noise[s2] * base[s2] else "no")
+                within = _within(key.startswith("zero3"), v[s2], base[s2], noise[s2])
                 lines.append(f"| {r['label']} | {r['seed']} | {v[s1]:.4f} | {_ratio(v[s1], base[s1])} | {v[s2]:.4f} "
                              f"| {_ratio(v[s2], base[s2])} | {within} |")
             lines.append(f"ZeRO-3 seed noise |B - A| / A: {noise[s1]:.2%} at step {s1}, {noise[s2]:.2%} at step {s2}")
@@ -302,7 +309,7 @@ def report(out: dict) -> str:
                           "|---|---|---|---|---|---|"]
                 for key, r in ft.items():
                     v = _tail(r["losses"], n, a["tail"])
-                    within = "(noise)" if key.startswith("ft-zero3") else ("yes" if abs(v - fb) <= fnoise * fb else "no")
+                    within = _within(key.startswith("ft-zero3"), v, fb, fnoise)
                     lines.append(f"| {r['label']} | {r['pretrained']} | {r['losses'][0]:.4f} | {v:.4f} | {_ratio(v, fb)} "
                                  f"| {within} |")
                 lines.append(f"ZeRO-3 fine-tune seed noise |B - A| / A: {fnoise:.2%}")
