@@ -1,5 +1,6 @@
-"""qcoll.serve over HTTP: the exported model's logits bit for bit, greedy generation, bad requests
-answered 4xx while the server keeps serving, overload shed with 503s, the static-config endpoint."""
+"""qcoll.serve over HTTP: the exported model's logits (bit for bit unbatched, to float32 rounding
+batched), greedy generation, bad requests answered 4xx while the server keeps serving, overload
+shed with 503s, the static-config endpoint."""
 import concurrent.futures as cf
 import os
 import time
@@ -67,8 +68,15 @@ def test_logits_are_the_exported_models_bit_for_bit(static_url, oracle, config):
         assert status == 200, doc
         got = np.asarray(doc["logits"], dtype=np.float64)
         want = oracle(prompt)
-        assert got.shape == want.shape and np.array_equal(got.astype(np.float32), want), prompt
-        assert np.array_equal(got, want.astype(np.float64))   # float32 values, exact through JSON
+        assert got.shape == want.shape
+        assert np.array_equal(got, got.astype(np.float32).astype(np.float64))   # float32 values, exact through JSON
+        if config["max_batch_size"] == 1:   # the oracle's forward exactly: one prompt, one thread
+            assert np.array_equal(got.astype(np.float32), want), prompt
+        else:
+            # Batched prompts run as a GEMM of more rows on more threads, which BLAS may block
+            # differently (seen on CI's CPU: 6e-8 apart): float32 rounding, not a different model.
+            scale = np.abs(want).max()
+            assert np.abs(got - want).max() <= 1e-5 * scale, prompt
     _, metrics, _ = call(static_url + "/metrics", method="GET")
     if config["max_batch_size"] > 1:
         assert metrics["batches"] < metrics["requests"]["ok"]   # requests did share batches

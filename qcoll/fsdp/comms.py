@@ -5,7 +5,8 @@ all-gather input (this rank's shard of every parameter, concatenated in the grou
 and the output ``[group size x input numel]``, and a ``ReduceScatter`` with the flat
 gradient buffer in ``reduce_scatter_tensor``'s layout. These classes put qwZ and qgZ in
 those two places; :func:`qcoll.fsdp.quantize_comm` installs them. Stateless between calls
-apart from the parameter sizes they are built with.
+apart from the parameter sizes they are built with, a reduce-scatter's error-feedback residuals,
+and the reductions left in flight (:mod:`.overlap`), which both classes advance.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ..comm.c10d import reduce_scatter_flat
 from ..comm.handle import wait_work
 from ..comm.stats import stats
 from ..quant import format as fmt
+from .overlap import DeferredReductions, why_not_defer
 
 
 def group_ranks(group) -> list[int]:
@@ -68,11 +70,14 @@ class QuantizedAllGather(_Allocate, AllGather):
     qcoll's collectives, so ``qcoll.comm.stats`` counts them and frames check them.
 
     ``async_op`` calls complete before returning (FSDP2 then orders its copy-out on the
-    all-gather stream, on which the collective ran).
+    all-gather stream, on which the collective ran). ``deferred``: the reductions in flight of
+    the same ``quantize_comm`` (:class:`~qcoll.fsdp.overlap.DeferredReductions`), advanced
+    first at each call.
     """
 
     def __init__(self, topology: Topology, bits: int = 8, block_size: int = fmt.DEFAULT_WEIGHT_BLOCK,
-                 param_sizes: Sequence[torch.Size] | None = None, quantize_inside: bool = True):
+                 param_sizes: Sequence[torch.Size] | None = None, quantize_inside: bool = True,
+                 deferred: DeferredReductions | None = None):
         validate.check_topology(topology)
         validate.check_quant_args(bits, block_size)
         if bits is None:
@@ -80,6 +85,7 @@ class QuantizedAllGather(_Allocate, AllGather):
         self.topology, self.bits, self.block_size = topology, bits, block_size
         self.param_sizes = None if param_sizes is None else [torch.Size(s) for s in param_sizes]
         self.quantize_inside = quantize_inside
+        self.deferred = deferred
 
     def __repr__(self) -> str:
         return f"QuantizedAllGather(bits={self.bits}, block_size={self.block_size}, {self.topology!r})"
@@ -108,6 +114,8 @@ class QuantizedAllGather(_Allocate, AllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> None:
+        if self.deferred is not None:
+            self.deferred.advance()
         if not spans_nodes(group, self.topology):
             self._gather_inside(output_tensor, input_tensor, group)
             return None
@@ -225,11 +233,16 @@ class QuantizedReduceScatter(_Allocate, ReduceScatter):
     ``error_feedback``: keep this module's qgZ residuals (``self.feedback``, a
     :class:`qcoll.ErrorFeedback`: fp32 of the module's whole gradient plus ``nodes / world`` of it);
     ``feedback_beta``: its ``beta`` (LoCo's moving average).
+    ``deferred`` and ``param_group`` (FSDP2's ``FSDPParamGroup`` this reduce-scatter serves):
+    a quantized reduction that FSDP2 only views afterwards returns after launching hop 1 and
+    completes when the backward ends (:mod:`qcoll.fsdp.overlap`); without them, or where FSDP2
+    reads the output at once, every call completes before it returns.
     """
 
     def __init__(self, topology: Topology, bits: int | tuple[int, int] = 4,
                  block_size: int = fmt.DEFAULT_GRAD_BLOCK, hadamard: bool = False, stochastic: bool = False,
-                 error_feedback: bool = False, feedback_beta: float = 0.0):
+                 error_feedback: bool = False, feedback_beta: float = 0.0,
+                 deferred: DeferredReductions | None = None, param_group=None):
         validate.check_topology(topology)
         if validate.check_hop_bits(bits, block_size) is None:
             raise ValueError("bits=None: leave FSDP2's own reduce-scatter in place instead "
@@ -237,6 +250,9 @@ class QuantizedReduceScatter(_Allocate, ReduceScatter):
         self.topology, self.bits, self.block_size = topology, bits, block_size
         self.hadamard, self.stochastic = hadamard, stochastic
         self.feedback = ErrorFeedback(beta=feedback_beta) if error_feedback else None
+        if (deferred is None) != (param_group is None):
+            raise ValueError("deferred and param_group go together: pass both (to defer reductions) or neither")
+        self.deferred, self.param_group = deferred, param_group
 
     def __repr__(self) -> str:
         return f"QuantizedReduceScatter(bits={self.bits}, block_size={self.block_size}, {self.topology!r})"
@@ -253,6 +269,12 @@ class QuantizedReduceScatter(_Allocate, ReduceScatter):
         if not is_world(group, self.topology):
             raise ValueError(f"qgZ reduces over the whole world; FSDP2 reduced over ranks {group_ranks(group)}, "
                              f"which spans nodes of {self.topology!r} but is not the world")
-        reduce_scatter_quantized(output_tensor, input_tensor, self.bits, self.block_size, self.topology, op=name,
-                                 stochastic=self.stochastic, hadamard=self.hadamard, error_feedback=self.feedback)
+        defer = self.deferred is not None and why_not_defer(self.param_group, output_tensor, name) is None
+        if self.deferred is not None:
+            self.deferred.advance()
+        handle = reduce_scatter_quantized(output_tensor, input_tensor, self.bits, self.block_size, self.topology,
+                                          op=name, stochastic=self.stochastic, hadamard=self.hadamard,
+                                          error_feedback=self.feedback, async_op=defer)
+        if defer:
+            self.deferred.add(handle)
         return None

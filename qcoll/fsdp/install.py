@@ -16,12 +16,13 @@ from ..comm.error_feedback import check_beta
 from ..quant import format as fmt
 from . import handshake, hybrid
 from .comms import QuantizedAllGather, QuantizedReduceScatter, group_ranks, is_world
+from .overlap import DeferredReductions
 
 
 def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight_bits: int | None = 8,
                   grad_bits: int | tuple[int, int] | None = 4, weight_block: int = fmt.DEFAULT_WEIGHT_BLOCK,
                   grad_block: int = fmt.DEFAULT_GRAD_BLOCK, hpz: bool = True, hadamard: bool = False,
-                  error_feedback: bool = False, feedback_beta: float = 0.0,
+                  error_feedback: bool = False, feedback_beta: float = 0.0, overlap_comm: bool = True,
                   timeout: datetime.timedelta | None = None) -> list[FSDPModule]:
     """Put qcoll's quantized collectives into every FSDP2 module under ``module``.
 
@@ -64,13 +65,18 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
     each module's whole gradient on a 1-D mesh, of its shard on HSDP. Needs ``grad_bits``.
     ``feedback_beta`` (0 to <1): the residual is a moving average of the losses (LoCo; for Adam at
     2 bits, see :class:`qcoll.ErrorFeedback`); needs ``error_feedback``.
+    ``overlap_comm`` (1-D mesh, DeepSpeed's name): a module's quantized gradient reduce-scatter
+    returns after its first hop and completes later in the backward, overlapping the backward of
+    the modules before it; every reduction is complete when ``backward()`` returns, with the
+    same values (where FSDP2 would read the output at once, e.g. when gradients accumulate into
+    ``.grad``, that reduction completes at once: :mod:`qcoll.fsdp.overlap`).
     ``qcoll.comm.stats`` counts what each group sends.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     settings = check_settings(weight_bits=weight_bits, grad_bits=grad_bits, weight_block=weight_block,
                               grad_block=grad_block, hpz=hpz, hadamard=hadamard, error_feedback=error_feedback,
-                              feedback_beta=feedback_beta)
+                              feedback_beta=feedback_beta, overlap_comm=overlap_comm)
     check_timeout(timeout)
     targets, groups = fsdp_groups(module, "quantize_comm")
     started = [type(m).__name__ for m in targets if m._get_fsdp_state()._is_root is not None]
@@ -84,19 +90,20 @@ def quantize_comm(module: nn.Module, topology: Topology | None = None, *, weight
 
 #: the settings ``quantize_comm`` installs and ``reconfigure_comm`` switches
 SETTINGS = ("weight_bits", "grad_bits", "weight_block", "grad_block", "hpz", "hadamard", "error_feedback",
-            "feedback_beta")
+            "feedback_beta", "overlap_comm")
 #: where ``install`` keeps a module's topology and settings (``reconfigure_comm`` reads them)
 STATE_ATTR = "_qcoll_quantize_comm"
 
 
 def check_settings(*, weight_bits, grad_bits, weight_block, grad_block, hpz, hadamard, error_feedback,
-                   feedback_beta) -> dict:
+                   feedback_beta, overlap_comm) -> dict:
     """``quantize_comm``'s settings checked (a TypeError / ValueError naming the bad one), as a dict."""
     validate.check_quant_args(weight_bits, weight_block)
     validate.check_hop_bits(grad_bits, grad_block)
     check_bool(hpz, "hpz")
     check_bool(hadamard, "hadamard")
     check_bool(error_feedback, "error_feedback")
+    check_bool(overlap_comm, "overlap_comm")
     if error_feedback and grad_bits is None:
         raise ValueError("error_feedback=True needs quantized gradients (grad_bits is None)")
     try:
@@ -108,7 +115,8 @@ def check_settings(*, weight_bits, grad_bits, weight_block, grad_block, hpz, had
     if hadamard and grad_bits is None:
         raise ValueError("hadamard=True needs quantized gradients (grad_bits is None)")
     return dict(weight_bits=weight_bits, grad_bits=grad_bits, weight_block=weight_block, grad_block=grad_block,
-                hpz=hpz, hadamard=hadamard, error_feedback=error_feedback, feedback_beta=feedback_beta)
+                hpz=hpz, hadamard=hadamard, error_feedback=error_feedback, feedback_beta=feedback_beta,
+                overlap_comm=overlap_comm)
 
 
 def check_timeout(timeout) -> None:
@@ -151,6 +159,7 @@ def install(module: nn.Module, targets: list, groups: list, topology: Topology, 
                              f"qcoll quantizes FSDP2's sharded (1-D) and HSDP (2-D) meshes")
     old = getattr(module, STATE_ATTR, None)
     same_basis = old is not None and old[1]["hadamard"] == st["hadamard"]
+    deferred = DeferredReductions() if st["overlap_comm"] else None
     for m, group in groups:
         if isinstance(group.mesh_info, HSDPMeshInfo):
             kept = getattr(group._all_reduce_hook, "feedback", None)
@@ -163,10 +172,11 @@ def install(module: nn.Module, targets: list, groups: list, topology: Topology, 
             continue
         kept = getattr(group._reduce_scatter_comm, "feedback", None)
         m.set_custom_all_gather(DefaultAllGather() if st["weight_bits"] is None else QuantizedAllGather(
-            topology, st["weight_bits"], st["weight_block"], [p._orig_size for p in group.fsdp_params]))
+            topology, st["weight_bits"], st["weight_block"], [p._orig_size for p in group.fsdp_params],
+            deferred=deferred))
         m.set_custom_reduce_scatter(DefaultReduceScatter() if st["grad_bits"] is None else QuantizedReduceScatter(
             topology, st["grad_bits"], st["grad_block"], st["hadamard"], error_feedback=st["error_feedback"],
-            feedback_beta=st["feedback_beta"]))
+            feedback_beta=st["feedback_beta"], deferred=deferred, param_group=None if deferred is None else group))
         _carry(group._reduce_scatter_comm, kept, st, same_basis)
     setattr(module, STATE_ATTR, (topology, dict(st)))
     if topology.num_nodes == 1 and (st["weight_bits"] is not None or st["grad_bits"] is not None):
