@@ -22,6 +22,7 @@ _LONG = pytest.mark.long
     (6, 3, 64, torch.bfloat16),
 ])
 def test_compiled_fast_path_matches_eager(monkeypatch, bits, rows, block, dtype):
+    monkeypatch.setenv("QCOLL_NATIVE", "0")  # the native kernel (tests/test_codec_native.py) would run first
     taken = []  # what the compiled path returned: a tensor / True when it ran, None / False when it declined
     for name in ("quantize_rows", "dequantize_rows_into"):
         real = getattr(compiled, name)
