@@ -30,6 +30,10 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.fsd
            "qcoll.testing", "qcoll.testing.fsdp2", "distributed")
 
 
+#: a worker with more threads than this is replaced before the next task (see RankPool._crowded)
+MAX_THREADS = 160
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -101,9 +105,20 @@ class RankPool:
         for p in self._procs:
             p.start()
 
+    def _crowded(self) -> bool:
+        """Whether a worker holds more than ``MAX_THREADS`` threads: the process groups the tasks made
+        (meshes, FSDP2's post-forward groups, Topologies) stay alive in the workers, three gloo
+        threads each whose timers wake, and a session's worth of them took a quarter of a core per
+        idle rank (slowing every later test 2-3x). Destroying them after each task is not safe
+        (DeviceMesh and DTensor resolve groups by name later), so the pool starts afresh instead."""
+        try:
+            return len(os.listdir(f"/proc/{self._procs[0].pid}/task")) > MAX_THREADS
+        except OSError:
+            return False
+
     def run(self, fn, *args, timeout: float = 90.0):
         """Run ``fn(rank, world, *args)`` on every rank; returns the results by rank."""
-        if not self._procs or not all(p.is_alive() for p in self._procs):
+        if not self._procs or not all(p.is_alive() for p in self._procs) or self._crowded():
             self.close()
             self._start()
         for q in self._tasks:
