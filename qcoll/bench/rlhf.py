@@ -10,11 +10,14 @@ Adam, no critic). Modes (actor and reference alike):
 - ``zero3``: ``ZeroConfig.zero3()`` (fp32 gathers over the world, fp32 reduce-scatter);
 - ``zeropp``: ``ZeroConfig(weight_bits=--weight-bits, hpz=True, grad_bits=--grad-bits)``;
 - ``zeropp-gen``: the same, with the actor's generation and scoring forwards inside
-  ``generation_mode(max_cached_bytes=--max-cached-mib)``.
+  ``generation_mode(max_cached_bytes=--max-cached-mib)``;
+- ``zero3-gen``: ZeRO-3 with the same generation cache: the actor's weights gathered once per
+  generation and kept (within ``--max-cached-mib``), as DeepSpeed-Chat's hybrid engine runs
+  ZeRO-3, so that ``zeropp-gen`` against it is ZeRO++'s own contribution, not the cache's.
 
-Every mode starts from the same model and runs the same prompts and sampling seeds, so
-``zeropp`` and ``zeropp-gen`` (the same quantized weights) must sample the same rollouts;
-the table says whether they did. Per mode: ``--warmup`` untimed iterations, then ``--iters``
+Every mode starts from the same model and runs the same prompts and sampling seeds, so a
+``-gen`` mode and the mode without it (the same weights) must sample the same rollouts; the
+table says whether they did. Per mode: ``--warmup`` untimed iterations, then ``--iters``
 timed ones; per iteration the slowest rank's seconds of each part, qcoll's cross-node bytes
 summed over the ranks (per part), inside ``qcoll-bench cluster`` the bytes that crossed the
 node links, and the mean reward over all ranks' rollouts.
@@ -24,7 +27,8 @@ JSON (``--json FILE``): ``{"command": "rlhf", "world", "ranks_per_node", "args",
 "scoring", "training", "total"}, "inter_bytes": {part: bytes}, "link_bytes", "reward",
 "loss"}], "mean_seconds": {part: s}, "speedup_vs_zero3", "tokens_per_s", "generation":
 <GenerationStats.summary() of the last timed iteration or null>, "memory": {"gathered_peak",
-"cached_bytes"}, "rollouts_match_zeropp"}]}``.
+"cached_bytes"}, "rollouts_match_zeropp", "rollouts_match_base", "speedup_vs_zero3_gen"}]}``
+(``rollouts_match_base``: a ``-gen`` mode's rollouts against its mode without the cache).
 """
 from __future__ import annotations
 
@@ -44,7 +48,8 @@ from .ranks import run_ranks
 from . import rlhf_loop as loop
 
 NAME = "rlhf"
-MODES = {"zero3": (False, False), "zeropp": (True, False), "zeropp-gen": (True, True)}  # (quantized, mode)
+MODES = {"zero3": (False, False), "zeropp": (True, False), "zeropp-gen": (True, True),
+         "zero3-gen": (False, True)}  # (quantized, generation mode)
 PARTS = ("generation", "scoring", "training")
 
 
@@ -189,15 +194,13 @@ def _rank_main(args) -> None:
             prog.end()
             runs.append(run)
     base = next((r for r in runs if r["mode"] == "zero3"), None)
-    same = None
-    if "zeropp" in rollouts and "zeropp-gen" in rollouts:
-        same = torch.tensor([all(torch.equal(a, b) for a, b in zip(rollouts["zeropp"], rollouts["zeropp-gen"]))],
-                            dtype=torch.int32)
-        dist.all_reduce(same, op=dist.ReduceOp.MIN)
-        same = bool(same)
+    base_gen = next((r for r in runs if r["mode"] == "zero3-gen"), None)
     for r in runs:
         r["speedup_vs_zero3"] = base["mean_seconds"]["total"] / r["mean_seconds"]["total"] if base else None
-        r["rollouts_match_zeropp"] = same if r["mode"] == "zeropp-gen" else None
+        r["speedup_vs_zero3_gen"] = (base_gen["mean_seconds"]["total"] / r["mean_seconds"]["total"]
+                                     if base_gen else None)
+        r["rollouts_match_base"] = _same_rollouts(rollouts, r["mode"])
+        r["rollouts_match_zeropp"] = r["rollouts_match_base"] if r["mode"] == "zeropp-gen" else None
     if topo.rank != 0:
         return
     params = sum(p.numel() for p in plain.parameters())
@@ -209,6 +212,17 @@ def _rank_main(args) -> None:
         cli.write_json(args.json, {"command": NAME, "world": topo.world_size, "ranks_per_node": topo.ranks_per_node,
                                    "args": {k: getattr(args, k) for k in keys},
                                    "model": {"arch": args.arch, "params": params}, "runs": runs})
+
+
+def _same_rollouts(rollouts: dict, mode: str) -> bool | None:
+    """For a ``-gen`` mode run beside its mode without the cache: whether every rank sampled the same
+    rollouts in both (a collective: every rank calls it for the same modes); None otherwise."""
+    plain = mode[: -len("-gen")] if mode.endswith("-gen") else None
+    if plain not in rollouts or mode not in rollouts:
+        return None
+    same = torch.tensor([all(torch.equal(a, b) for a, b in zip(rollouts[plain], rollouts[mode]))], dtype=torch.int32)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same)
 
 
 def _mb(v) -> str:
@@ -233,9 +247,13 @@ def format_table(runs: list[dict], args, params: int, topo) -> str:
                 f"{_mb(inter['generation']):>7} {_mb(inter['training']):>8}")
         if linked:
             line += f" {_mb(statistics.mean(i['link_bytes'] for i in its)):>8}"
-        same = {True: "yes", False: "NO", None: "-"}[r["rollouts_match_zeropp"]]
+        same = {True: "yes", False: "NO", None: "-"}[r["rollouts_match_base"]]
         line += f" {its[-1]['reward']:>7.3f} {_mb(r['memory']['cached_bytes']):>8} {same:>5}"
         lines.append(line)
-    lines.append("same: zeropp-gen sampled the same rollouts as zeropp (the same quantized weights); reward: share of "
+    gen = next((r for r in runs if r["mode"] == "zero3-gen"), None)
+    if gen is not None:
+        lines.append("vs zero3-gen: " + ", ".join(f"{r['mode']} {r['speedup_vs_zero3_gen']:.2f}x" for r in runs))
+    lines.append("same: a -gen mode sampled the same rollouts as its mode without the cache (the same weights); "
+                 "reward: share of "
                  "even token ids in the responses, last iteration; cache MB: generation_mode's kept weights per rank")
     return "\n".join(lines)
