@@ -1,4 +1,5 @@
-"""Shared inputs for the CUDA kernel / host helper tests: random rows with the awkward blocks."""
+"""Shared inputs for the codec tests (CUDA kernels, host helpers, the CPU fast paths): random rows with
+the awkward blocks, values at their block's absmax."""
 from __future__ import annotations
 
 import pytest
@@ -68,3 +69,14 @@ def awkward_rows(rows: int, n: int, block: int, dtype: torch.dtype, seed: int) -
         elif kind == "negzero":
             x[r, sl.start] = -0.0
     return x.to(dtype)
+
+
+def values_at_absmax(nb: int, block: int, seed: int) -> torch.Tensor:
+    """fp32 ``[1, nb * block]``: ``nb`` blocks whose absmax spans the exponent range where 1/scale is
+    finite, each block's first values at and just below +-absmax (and 0.5, 0), the rest random below it."""
+    g = torch.Generator().manual_seed(seed)
+    absmax = torch.exp2(torch.empty(nb, 1).uniform_(-120, 127, generator=g)) * torch.rand(nb, 1, generator=g).add_(1)
+    absmax = absmax.clamp(max=3.4e38)
+    frac = torch.rand(nb, block, generator=g)
+    frac[:, :8] = torch.tensor([1.0, -1.0, 1 - 2**-24, -(1 - 2**-24), 1 - 2**-23, 0.5, -0.5, 0.0])
+    return (absmax * frac).reshape(1, -1)

@@ -5,6 +5,8 @@ import torch
 from qcoll.quant import compiled, cpu, reference
 from qcoll.quant import format as fmt
 
+from cuda_testdata import values_at_absmax
+
 
 def _same(a, b):
     return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
@@ -174,13 +176,8 @@ def test_compiled_quantize_without_clamp_at_absmax(bits):
     """The quantize graphs skip the reference's clamp (see ``compiled._round``): blocks whose
     values sit at and just below their absmax, over the exponent range where 1/scale is finite, still give
     the reference's bytes (codes of exactly +-qmax)."""
-    g = torch.Generator().manual_seed(bits)
-    nb, block = 8192, 32
-    absmax = torch.exp2(torch.empty(nb, 1).uniform_(-120, 127, generator=g)) * torch.rand(nb, 1, generator=g).add_(1)
-    absmax = absmax.clamp(max=3.4e38)
-    frac = torch.rand(nb, block, generator=g)
-    frac[:, :8] = torch.tensor([1.0, -1.0, 1 - 2**-24, -(1 - 2**-24), 1 - 2**-23, 0.5, -0.5, 0.0])
-    x = (absmax * frac).reshape(1, -1)
+    block = 32
+    x = values_at_absmax(8192, block, seed=bits)
     got = compiled.quantize_rows(x, bits, block)
     want = reference.quantize_rows(x, bits, block)
     assert got is not None and torch.equal(got, want)

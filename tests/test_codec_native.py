@@ -12,6 +12,8 @@ from qcoll.bindings import cpu as native
 from qcoll.quant import cpu, reference
 from qcoll.quant import format as fmt
 
+from cuda_testdata import values_at_absmax
+
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native CPU codec unavailable: {native._broken}")
 
 
@@ -97,13 +99,8 @@ def test_ties_round_half_to_even(bits):
 def test_native_codes_at_absmax_over_the_exponent_range(bits):
     """Values at and just below their block's absmax, absmax over the range where 1/scale is finite:
     codes of exactly +-qmax and the reference's bytes."""
-    g = torch.Generator().manual_seed(bits)
-    nb, block = 4096, 32
-    absmax = torch.exp2(torch.empty(nb, 1).uniform_(-120, 127, generator=g)) * torch.rand(nb, 1, generator=g).add_(1)
-    absmax = absmax.clamp(max=3.4e38)
-    frac = torch.rand(nb, block, generator=g)
-    frac[:, :8] = torch.tensor([1.0, -1.0, 1 - 2**-24, -(1 - 2**-24), 1 - 2**-23, 0.5, -0.5, 0.0])
-    x = (absmax * frac).reshape(1, -1)
+    block = 32
+    x = values_at_absmax(4096, block, seed=bits)
     before = _calls()
     assert torch.equal(cpu.quantize_rows(x, bits, block), reference.quantize_rows(x, bits, block))
     assert _calls()["quantize"] == before["quantize"] + 1
